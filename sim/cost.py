@@ -1,0 +1,94 @@
+"""Cost models: how long one forward of the draft or the target takes in the simulator.
+
+A cost model is bound to one experiment (pair, hardware, placement) when it is built, and answers
+``forward(role, tokens, context, layers)`` in seconds. ``tokens`` is the number of tokens in the
+forward (k: 1 for AR decode, γ+1 for a verification, w for a tree expansion, the prompt for
+prefill), ``context`` the number of tokens already in the KV cache, ``layers`` an optional
+half-open layer range [lo, hi) for a pipeline stage (None = all layers).
+
+Registry keyed by ``sim.cost_model``: analytic (Leviathan's assumptions), roofline (from the
+architecture and the hardware datasheet), profile (tables measured by the real backend).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from testbed.config import ExperimentConfig
+
+Role = Literal["target", "draft"]
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """One forward's modelled time and where it goes (seconds)."""
+
+    total_s: float
+    weights_s: float = 0.0  # streaming weights from memory (or their GEMM compute if bound)
+    attention_s: float = 0.0  # reading/writing the KV cache, attention math
+    allreduce_s: float = 0.0  # tensor-parallel all-reduce (α–β)
+    launch_s: float = 0.0  # kernel launch / minimum kernel latency
+    other_s: float = 0.0  # norms, embeddings, LM head, sampling
+
+
+class CostModel(ABC):
+    """Forward latency of the experiment's draft and target."""
+
+    @abstractmethod
+    def forward(self, role: Role, tokens: int, context: int,
+                layers: tuple[int, int] | None = None) -> float:
+        """Seconds for one forward of `tokens` tokens over `context` cached tokens."""
+
+    def breakdown(self, role: Role, tokens: int, context: int,
+                  layers: tuple[int, int] | None = None) -> ForwardCost:
+        return ForwardCost(total_s=self.forward(role, tokens, context, layers))
+
+    def prefill(self, role: Role, prompt_len: int) -> float:
+        return self.forward(role, prompt_len, 0)
+
+
+class AnalyticCost(CostModel):
+    """Leviathan et al. §3.3: a target forward costs T for any k <= γ+1, a draft forward c·T.
+
+    A pipeline stage of a decentralized target costs its share of T (layers/total)."""
+
+    def __init__(self, exp: ExperimentConfig) -> None:
+        self.t_target = exp.sim.t_target_ms / 1e3
+        self.c = exp.sim.c
+        self.target_layers = max(exp.pair.target.layers, 1)
+
+    def forward(self, role: Role, tokens: int, context: int,
+                layers: tuple[int, int] | None = None) -> float:
+        if role == "draft":
+            return self.c * self.t_target
+        if layers is None:
+            return self.t_target
+        return self.t_target * (layers[1] - layers[0]) / self.target_layers
+
+    def prefill(self, role: Role, prompt_len: int) -> float:
+        # Theorem 3.8 ignores prefill; model it as one forward so prefill_s is not zero.
+        return self.forward(role, prompt_len, 0)
+
+
+COST_MODELS: dict[str, Callable[[ExperimentConfig], CostModel]] = {"analytic": AnalyticCost}
+
+
+def register(name: str) -> Callable[[Callable[[ExperimentConfig], CostModel]],
+                                     Callable[[ExperimentConfig], CostModel]]:
+    def deco(factory: Callable[[ExperimentConfig], CostModel]) -> Callable[[ExperimentConfig], CostModel]:
+        COST_MODELS[name] = factory
+        return factory
+    return deco
+
+
+def make_cost_model(exp: ExperimentConfig) -> CostModel:
+    name = exp.sim.cost_model
+    if name not in COST_MODELS:
+        # roofline/profile register themselves on import
+        import importlib
+
+        importlib.import_module(f"sim.cost_{name}")
+    return COST_MODELS[name](exp)

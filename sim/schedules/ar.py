@@ -1,0 +1,36 @@
+"""`ar`: the target emits one token per forward (the baseline of every speedup)."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+from sim.context import SimContext, SimRequest
+from sim.schedules import register
+
+
+@register("ar")
+def ar(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
+    env, cost, rec = ctx.env, ctx.cost, ctx.rec
+    seq = ctx.oracle.sequence(req.request_id, req.prompt_len)
+    rid = req.request_id
+    t0 = env.now
+    yield env.timeout(cost.prefill("target", req.prompt_len))
+    rec.span("target", "prefill", t0, env.now, rid)
+    prefill_s = env.now - t0
+    start = env.now
+    kv = req.prompt_len - 1  # the last prompt token is fed by the first decode forward
+    out: list[int] = []
+    forward = cost.forward
+    timeout = env.timeout
+    for i in range(req.max_new_tokens):
+        s = env.now
+        dt = forward("target", 1, kv)
+        yield timeout(dt)
+        out.append(seq.ar_token())
+        kv += 1
+        rec.round(rid, i, s, s + dt, 0, 0, 0, 1, 1, 0.0, dt)
+        rec.span("target", "decode", s, s + dt, rid, i)
+    ids = out if ctx.oracle.produces_ids else []
+    rec.request(rid, req.prompt_id, req.prompt_len, ids, len(out), prefill_s, env.now - start,
+                req.max_new_tokens)

@@ -1,0 +1,59 @@
+"""`sync`: Leviathan et al. — the draft proposes γ tokens, the target verifies them in one forward.
+
+Draft and target run one after the other (they may share GPUs). Per round: γ draft forwards
+(the first also feeds the tokens the draft has not seen: the previous round's bonus, plus the
+last guess when all γ were accepted), then one target forward over γ+1 tokens, then Algorithm 1
+(through the oracle, which calls testbed.spec.speculative).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+from sim.context import SimContext, SimRequest
+from sim.schedules import register
+from testbed.spec.lookahead import make_lookahead
+
+
+@register("sync")
+def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
+    env, cost, rec, exp = ctx.env, ctx.cost, ctx.rec, ctx.exp
+    seq = ctx.oracle.sequence(req.request_id, req.prompt_len)
+    policy = make_lookahead(exp.lookahead.policy, exp.schedule.gamma)
+    rid = req.request_id
+    t0 = env.now
+    pf_target = cost.prefill("target", req.prompt_len)
+    pf_draft = cost.prefill("draft", req.prompt_len)
+    yield env.timeout(pf_target + pf_draft)
+    rec.span("target", "prefill", t0, t0 + pf_target, rid)
+    rec.span("draft", "prefill", t0 + pf_target, env.now, rid)
+    prefill_s = env.now - t0
+    start = env.now
+    seq_len = req.prompt_len  # tokens in the sequence; the target has seq_len-1 of them cached
+    pending = 1  # tokens the draft must feed before its first guess
+    generated, r = 0, 0
+    out: list[int] = []
+    forward, timeout = cost.forward, env.timeout
+    n_max = req.max_new_tokens
+    while generated < n_max:
+        gamma = policy.next_gamma()
+        s = env.now
+        draft_s = forward("draft", pending, seq_len - pending)
+        for i in range(1, gamma):
+            draft_s += forward("draft", 1, seq_len + i - 1)
+        target_s = forward("target", gamma + 1, seq_len - 1)
+        yield timeout(draft_s + target_s)
+        outcome = seq.chain_round(gamma)
+        n = outcome.accepted
+        emitted = min(n + 1, n_max - generated)
+        out.extend(outcome.tokens[:emitted])
+        generated += emitted
+        seq_len += n + 1
+        pending = 2 if n == gamma else 1
+        policy.observe(gamma, n)
+        rec.round(rid, r, s, env.now, gamma, n + (n < gamma), n, emitted, gamma + 1, draft_s, target_s)
+        rec.span("draft", "draft", s, s + draft_s, rid, r)
+        rec.span("target", "verify", s + draft_s, env.now, rid, r)
+        r += 1
+    rec.request(rid, req.prompt_id, req.prompt_len, out, generated, prefill_s, env.now - start, r)

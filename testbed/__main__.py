@@ -1,0 +1,13 @@
+"""Entry point: `python -m testbed [overrides...]` — preflight checks, then the Hydra app."""
+
+import sys
+
+from testbed.preflight import main_guard
+
+if __name__ == "__main__":
+    if not any(a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") or a.startswith("--cfg")
+               for a in sys.argv[1:]):
+        main_guard(sys.argv[1:])
+    from testbed.app import main
+
+    main()

@@ -1,0 +1,357 @@
+"""Typed experiment configuration, registered in Hydra's ConfigStore, and its validation.
+
+The YAML files in ``conf/`` fill these dataclasses; ``to_experiment`` turns the composed
+OmegaConf tree into plain frozen-free dataclasses once, so hot loops never touch OmegaConf.
+``validate`` checks every value against its allowed range and raises ``ConfigError`` naming
+the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+BACKENDS = ("sim", "real")
+SCHEDULES = ("ar", "sync", "async", "decentralized")
+LOOKAHEADS = ("static", "heuristic")
+ORACLES = ("iid", "synthetic", "trace")
+COST_MODELS = ("analytic", "roofline", "profile")
+WORKLOADS = ("synthetic", "humaneval", "mtbench", "alpaca")
+MODEL_KINDS = ("transformer", "ngram", "early_exit")
+MLPS = ("swiglu", "gelu")  # gelu: GPTBigCode/StarCoder, 2 matrices instead of 3
+QUANTS = ("fp32", "bf16", "fp16", "int8", "int4_awq", "q4_1")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value: names the key, the value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key}={value!r} is not allowed: {allowed}")
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "sync"
+    gamma: int = 4  # draft tokens per round (sync, decentralized); also the lookahead cap
+    tree: bool = False  # sync with a token tree: the serial tree baseline (SwiftSpec-base)
+    tree_width: int = 8  # w: leaves expanded per draft forward (SwiftSpec)
+    tree_budget: int = 8  # bs: tree nodes sent to the target per verification (SwiftSpec)
+    tree_depth: int = 0  # d: draft expansions per round; 0 = from modelled t_target/t_draft
+    adaptive: bool = False  # DSD adaptive (relaxed) verification
+    tau: float = 0.0  # DSD relaxation of non-key tokens; 0 = exactly lossless
+    lambda1: float = 1.5  # DSD key token: H_draft / H_target > lambda1
+    lambda2: float = 0.3  # DSD key token: |P_t(y) - P_d(y)| > lambda2
+    lambda3: float = 0.5  # DSD key token: NormMatch(top-k overlap) < lambda3
+
+
+@dataclass
+class LookaheadConfig:
+    policy: str = "static"
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    kind: str = "transformer"  # transformer | ngram | early_exit
+    family: str = "llama"
+    layers: int = 0
+    hidden: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0  # 0 = hidden // heads
+    ffn: int = 0
+    vocab: int = 0
+    tied_embeddings: bool = False
+    max_context: int = 8192
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    quant: str = "bf16"
+    path: str | None = None  # real backend: checkpoint dir or .gguf; None = bundled/default
+    tokenizer: str | None = None  # tokenizer family name; drafts must share the target's
+    exit_layer: int = 0  # early_exit: number of target layers the draft runs
+    ngram: int = 3  # ngram: longest n-gram matched in the context (prompt lookup)
+    mlp: str = "swiglu"  # swiglu (gate, up, down) | gelu (fc, proj)
+
+    @property
+    def params(self) -> int:
+        """Parameter count of a dense Llama-style decoder (embeddings included)."""
+        if self.kind != "transformer":
+            return 0
+        hd = self.head_dim or (self.hidden // max(self.heads, 1))
+        attn = self.hidden * hd * (self.heads + 2 * self.kv_heads) + self.heads * hd * self.hidden
+        mlp = (2 if self.mlp == "gelu" else 3) * self.hidden * self.ffn
+        emb = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.layers * (attn + mlp + 2 * self.hidden) + emb + self.hidden
+
+
+@dataclass
+class PairConfig:
+    name: str = ""
+    target: ModelConfig = field(default_factory=ModelConfig)
+    draft: ModelConfig = field(default_factory=ModelConfig)
+
+
+@dataclass
+class GpuConfig:
+    name: str = MISSING
+    hbm_gbps: float = 0.0  # HBM bandwidth, GB/s (datasheet)
+    mem_gb: float = 0.0
+    tflops: dict[str, float] = field(default_factory=dict)  # dense peak by dtype
+    launch_us: float = 4.0  # kernel launch / minimum kernel latency
+
+
+@dataclass
+class HardwareConfig:
+    name: str = MISSING
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    gpus_per_node: int = 8
+    nodes: int = 1
+    nvlink_gbps: float = 0.0  # per-GPU unidirectional NVLink bandwidth, GB/s
+    nvlink_latency_us: float = 0.0
+    nic_gbps: float = 0.0  # per-node network (IB/Ethernet) bandwidth, GB/s
+    nic_latency_us: float = 0.0
+    allreduce_alpha_us: float = 0.0  # α of the α–β all-reduce model (one-shot, small messages)
+
+
+@dataclass
+class PlacementConfig:
+    target_gpus: int = 8
+    draft_gpus: int = 8  # sync: may share the target's GPUs; async: disjoint from them
+    nodes: int = 1  # decentralized: pipeline stages / nodes
+
+
+@dataclass
+class NetworkConfig:
+    name: str = "nvlink"
+    latency_ms: float = 0.0
+    bandwidth_gbps: float = 0.0  # GB/s; 0 = infinite
+    jitter_ms: float = 0.0
+
+
+@dataclass
+class AcceptanceConfig:
+    oracle: str = "iid"
+    alpha: float = 0.8
+    vocab: int = 512  # synthetic oracle vocabulary
+    trace_path: str | None = None
+
+
+@dataclass
+class SimConfig:
+    cost_model: str = "roofline"
+    c: float = 0.05  # analytic: draft forward / target forward
+    t_target_ms: float = 25.0  # analytic: one target forward (all stages together)
+    profile_path: str | None = None  # profile: latency tables written by +calibrate
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = "synthetic"
+    num_prompts: int = 8
+    max_new_tokens: int = 256
+    prompt_len: int = 256  # synthetic only
+    split: str = "all"  # all | calibrate | holdout (real workloads, for validation)
+    chat_template: bool = True
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+
+
+@dataclass
+class RealConfig:
+    device: str = "cpu"
+    dtype: str = "fp32"
+    threads: int = 0  # 0 = torch default
+    baseline: bool = True  # also run `ar` on the same prompts to report speedup
+    progress: bool = True
+
+
+@dataclass
+class ReportConfig:
+    per_run: bool = True  # write report.md + figures into every single run directory
+
+
+@dataclass
+class ExperimentConfig:
+    backend: str = "sim"
+    seed: int = 0
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+    pair: PairConfig = field(default_factory=PairConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    real: RealConfig = field(default_factory=RealConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+
+
+def register_configs() -> None:
+    """Register the schema so Hydra type-checks every override against it, and every
+    `pair=TARGET+DRAFT` combination of model presets (files in conf/pair/ take precedence)."""
+    from pathlib import Path
+
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="experiment_schema", node=ExperimentConfig)
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    models = sorted(p.stem for p in (conf / "model").glob("*.yaml"))
+    files = {p.stem for p in (conf / "pair").glob("*.yaml")}
+    for t in models:
+        for d in models:
+            name = f"{t}+{d}"
+            if name not in files:
+                cs.store(group="pair", name=name, node={
+                    "defaults": [{"/model@target": t}, {"/model@draft": d}, "_self_"],
+                    "name": name})
+
+
+def to_experiment(cfg: DictConfig | dict) -> ExperimentConfig:
+    """Composed config (OmegaConf) -> plain dataclasses; drops the `hydra` node if present."""
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.create(cfg)
+    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
+    merged = OmegaConf.merge(OmegaConf.structured(ExperimentConfig), cfg)
+    exp = OmegaConf.to_object(merged)
+    assert isinstance(exp, ExperimentConfig)
+    if not exp.pair.name:
+        exp.pair.name = f"{exp.pair.target.name}+{exp.pair.draft.name}"
+    return exp
+
+
+def as_dict(obj: Any) -> Any:
+    """Dataclass tree -> plain dict (for run metadata)."""
+    if is_dataclass(obj):
+        return {f.name: as_dict(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, dict):
+        return {k: as_dict(v) for k, v in obj.items()}
+    return obj
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(key, value, "one of " + ", ".join(allowed))
+
+
+def _int_range(key: str, value: int, lo: int, hi: int | None = None) -> None:
+    if value < lo or (hi is not None and value > hi):
+        raise ConfigError(key, value, f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]")
+
+
+def _float_range(key: str, value: float, lo: float, hi: float | None = None,
+                 lo_open: bool = False, hi_open: bool = False) -> None:
+    bad = value < lo or (lo_open and value == lo)
+    if hi is not None:
+        bad = bad or value > hi or (hi_open and value == hi)
+    if bad or value != value:  # NaN
+        lb = "(" if lo_open else "["
+        rb = ")" if hi_open else "]"
+        raise ConfigError(key, value, f"a number in {lb}{lo}, {hi if hi is not None else '∞'}{rb}")
+
+
+def _validate_model(prefix: str, m: ModelConfig, backend: str) -> None:
+    _choice(f"{prefix}.kind", m.kind, MODEL_KINDS)
+    _choice(f"{prefix}.quant", m.quant, QUANTS)
+    _choice(f"{prefix}.mlp", m.mlp, MLPS)
+    if m.kind == "transformer":
+        for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
+            _int_range(f"{prefix}.{k}", getattr(m, k), 1)
+        if m.heads % m.kv_heads:
+            raise ConfigError(f"{prefix}.kv_heads", m.kv_heads,
+                              f"a divisor of {prefix}.heads={m.heads}")
+    if m.kind == "ngram":
+        _int_range(f"{prefix}.ngram", m.ngram, 1, 16)
+
+
+def validate(exp: ExperimentConfig) -> ExperimentConfig:
+    """Raise ConfigError on the first bad value; return the config unchanged otherwise."""
+    _choice("backend", exp.backend, BACKENDS)
+    _int_range("seed", exp.seed, 0)
+    s = exp.schedule
+    _choice("schedule", s.name, SCHEDULES)
+    _int_range("schedule.gamma", s.gamma, 1, 64)
+    _int_range("schedule.tree_width", s.tree_width, 1, 256)
+    _int_range("schedule.tree_budget", s.tree_budget, 1, 1024)
+    _int_range("schedule.tree_depth", s.tree_depth, 0, 64)
+    _float_range("schedule.tau", s.tau, 0.0, 1.0)
+    _float_range("schedule.lambda1", s.lambda1, 0.0, lo_open=True)
+    _float_range("schedule.lambda2", s.lambda2, 0.0, 1.0)
+    _float_range("schedule.lambda3", s.lambda3, 0.0, 1.0)
+    _choice("lookahead", exp.lookahead.policy, LOOKAHEADS)
+
+    t, d = exp.pair.target, exp.pair.draft
+    _validate_model("pair.target", t, exp.backend)
+    if t.kind != "transformer":
+        raise ConfigError("pair.target.kind", t.kind, "transformer (only drafts may be ngram/early_exit)")
+    _validate_model("pair.draft", d, exp.backend)
+    # Draft and target must share a tokenizer. Tokenizer tags decide when both models carry one
+    # (embedding tables may be padded differently, e.g. Qwen2-72B 152064 vs Qwen2-1.5B 151936).
+    if d.kind == "transformer" and d.tokenizer and t.tokenizer:
+        if d.tokenizer != t.tokenizer:
+            raise ConfigError("pair.draft.tokenizer", d.tokenizer,
+                              f"the target's tokenizer {t.tokenizer!r} (draft and target must share a vocabulary)")
+    elif d.kind == "transformer" and d.vocab != t.vocab:
+        raise ConfigError("pair.draft.vocab", d.vocab,
+                          f"the target's vocabulary size {t.vocab} (draft and target must share a tokenizer)")
+    if d.kind == "early_exit":
+        _int_range("pair.draft.exit_layer", d.exit_layer, 1, t.layers - 1)
+
+    hw, pl = exp.hardware, exp.placement
+    _int_range("hardware.gpus_per_node", hw.gpus_per_node, 1)
+    _int_range("hardware.nodes", hw.nodes, 1)
+    n = hw.gpus_per_node
+    _int_range("placement.target_gpus", pl.target_gpus, 1, n)
+    _int_range("placement.draft_gpus", pl.draft_gpus, 1, n)
+    if s.name == "async" and pl.target_gpus + pl.draft_gpus > n:
+        raise ConfigError("placement.draft_gpus", pl.draft_gpus,
+                          f"at most {n - pl.target_gpus}: async puts draft and target on disjoint GPUs "
+                          f"and placement.target_gpus={pl.target_gpus} of {n} are taken")
+    _int_range("placement.nodes", pl.nodes, 1, 64)
+    if s.name == "decentralized" and pl.nodes > t.layers:
+        raise ConfigError("placement.nodes", pl.nodes, f"at most the target's {t.layers} layers")
+
+    net = exp.network
+    _float_range("network.latency_ms", net.latency_ms, 0.0)
+    _float_range("network.bandwidth_gbps", net.bandwidth_gbps, 0.0)
+    _float_range("network.jitter_ms", net.jitter_ms, 0.0)
+
+    a = exp.acceptance
+    _choice("acceptance", a.oracle, ORACLES)
+    _float_range("acceptance.alpha", a.alpha, 0.0, 1.0, hi_open=True)
+    _int_range("acceptance.vocab", a.vocab, 2, 1 << 20)
+
+    sm = exp.sim
+    _choice("sim.cost_model", sm.cost_model, COST_MODELS)
+    _float_range("sim.c", sm.c, 0.0)
+    _float_range("sim.t_target_ms", sm.t_target_ms, 0.0, lo_open=True)
+
+    w = exp.workload
+    _choice("workload", w.name, WORKLOADS)
+    _int_range("workload.num_prompts", w.num_prompts, 1, 100_000)
+    _int_range("workload.max_new_tokens", w.max_new_tokens, 1, 1_000_000)
+    _int_range("workload.prompt_len", w.prompt_len, 1, 10_000_000)
+    _choice("workload.split", w.split, ("all", "calibrate", "holdout"))
+
+    sp = exp.sampling
+    _float_range("sampling.temperature", sp.temperature, 0.0, 100.0)
+    _int_range("sampling.top_k", sp.top_k, 0)
+    _float_range("sampling.top_p", sp.top_p, 0.0, 1.0, lo_open=True)
+
+    _choice("real.dtype", exp.real.dtype, ("fp32", "bf16", "fp16"))
+    _int_range("real.threads", exp.real.threads, 0, 1024)
+    return exp

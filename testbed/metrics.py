@@ -1,0 +1,85 @@
+"""The metric definitions of DESIGN.md — one definition for both backends.
+
+- tokens_per_s: generated tokens / decode wall time, per request, then the mean over requests
+  (prefill excluded; reported separately as prefill_s, the mean per request).
+- tpot_ms: decode ms per output token, per request, then the mean over requests.
+- speedup: tokens_per_s / tokens_per_s of `ar` on the same hardware, models and workload.
+- alpha: accepted drafted tokens / drafted tokens on the verified path (the accepted ones plus
+  the first rejected one): the estimator of Leviathan's α = E[β].
+- mean_accepted_len: tokens a verification yields (accepted + the bonus token), averaged over
+  verifications, before the output-length cap truncates the last round; 1.0 for `ar`.
+- compression_ratio: mean_accepted_len − 1 (SwiftSpec's accepted guesses per verification).
+- draft_efficiency: mean_accepted_len / (γ + 1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+from testbed.config import ExperimentConfig
+
+KEY_FIELDS = ("backend", "schedule", "pair", "hardware", "target_gpus", "draft_gpus", "nodes",
+              "gamma", "workload", "temperature", "seed")
+HEADLINE = ("tokens_per_s", "tpot_ms", "speedup", "alpha", "mean_accepted_len", "prefill_s")
+
+
+def experiment_key(exp: ExperimentConfig) -> dict[str, Any]:
+    schedule = exp.schedule.name
+    if schedule == "sync" and exp.schedule.tree:
+        schedule = "sync_tree"
+    return {
+        "backend": exp.backend,
+        "schedule": schedule,
+        "pair": exp.pair.name,
+        "hardware": exp.hardware.name,
+        "target_gpus": exp.placement.target_gpus,
+        "draft_gpus": exp.placement.draft_gpus if exp.schedule.name != "ar" else 0,
+        "nodes": exp.placement.nodes,
+        "gamma": exp.schedule.gamma if exp.schedule.name != "ar" else 0,
+        "workload": exp.workload.name,
+        "temperature": exp.sampling.temperature,
+        "seed": exp.seed,
+    }
+
+
+def _clean(x: float) -> float | None:
+    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
+
+
+def request_tokens_per_s(requests: pd.DataFrame) -> float:
+    ok = requests[requests["decode_s"] > 0]
+    return float((ok["generated"] / ok["decode_s"]).mean()) if len(ok) else float("nan")
+
+
+def summarize(rounds: pd.DataFrame, requests: pd.DataFrame, gamma: int,
+              baseline_requests: pd.DataFrame | None = None) -> dict[str, Any]:
+    """Headline metrics from one run's rounds and requests (and its `ar` baseline's requests)."""
+    tps = request_tokens_per_s(requests)
+    ok = requests[requests["generated"] > 0]
+    tpot = float((1e3 * ok["decode_s"] / ok["generated"]).mean()) if len(ok) else float("nan")
+    drafted = int(rounds["drafted"].sum()) if len(rounds) else 0
+    checked = int(rounds["checked"].sum()) if len(rounds) else 0
+    accepted = int(rounds["accepted"].sum()) if len(rounds) else 0
+    verifications = len(rounds)
+    mal = float((rounds["accepted"] + 1).mean()) if verifications else float("nan")
+    base_tps = request_tokens_per_s(baseline_requests) if baseline_requests is not None else float("nan")
+    return {
+        "tokens_per_s": _clean(tps),
+        "tpot_ms": _clean(tpot),
+        "speedup": _clean(tps / base_tps) if base_tps == base_tps and base_tps > 0 else None,
+        "alpha": _clean(accepted / checked) if checked else None,
+        "mean_accepted_len": _clean(mal),
+        "prefill_s": _clean(float(requests["prefill_s"].mean())) if len(requests) else None,
+        "ar_tokens_per_s": _clean(base_tps),
+        "compression_ratio": _clean(mal - 1.0),
+        "draft_efficiency": _clean(mal / (gamma + 1)) if drafted else None,
+        "verifications": verifications,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "generated_tokens": int(requests["generated"].sum()) if len(requests) else 0,
+        "decode_s_total": _clean(float(requests["decode_s"].sum())) if len(requests) else None,
+        "num_requests": len(requests),
+    }

@@ -1,0 +1,127 @@
+"""Writing and reading run directories.
+
+A run directory holds summary.json, rounds.parquet, requests.parquet, timeline.parquet,
+config.yaml (the resolved experiment) and, when the report is built, report.md and figures.
+Files are written to temporaries and renamed, and summary.json goes last: a directory with a
+summary.json is a complete run; anything else is ignored by readers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from testbed.config import ExperimentConfig, as_dict
+from testbed.metrics import experiment_key, summarize
+from testbed.recorder import RunResult
+
+SUMMARY = "summary.json"
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: Path, obj: Any) -> None:
+    def w(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False, allow_nan=False)
+            f.write("\n")
+    _atomic_write(path, w)
+
+
+def write_parquet(path: Path, df: pd.DataFrame) -> None:
+    _atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
+
+
+def build_summary(exp: ExperimentConfig, result: RunResult) -> dict[str, Any]:
+    rounds, requests, _ = result.recorder.frames()
+    base = result.baseline.frames()[1] if result.baseline is not None else None
+    if exp.schedule.name == "ar":
+        base = requests
+    summary = experiment_key(exp)
+    summary.update(summarize(rounds, requests, exp.schedule.gamma, base))
+    summary.update(result.extra)
+    return summary
+
+
+def write_run(run_dir: Path, exp: ExperimentConfig, result: RunResult) -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stale = run_dir / SUMMARY
+    if stale.exists():  # re-running into the same directory: invalidate first
+        stale.unlink()
+    rounds, requests, timeline = result.recorder.frames()
+    summary = build_summary(exp, result)
+    write_parquet(run_dir / "rounds.parquet", rounds)
+    write_parquet(run_dir / "requests.parquet", requests)
+    write_parquet(run_dir / "timeline.parquet", timeline)
+    if result.baseline is not None:
+        b_rounds, b_requests, _ = result.baseline.frames()
+        write_parquet(run_dir / "baseline_requests.parquet", b_requests)
+    for name, obj in result.artifacts.items():
+        if isinstance(obj, pd.DataFrame):
+            write_parquet(run_dir / name, obj)
+        else:
+            write_json(run_dir / name, obj)
+    _atomic_write(run_dir / "experiment.yaml",
+                  lambda tmp: Path(tmp).write_text(yaml.safe_dump(as_dict(exp), sort_keys=False)))
+    write_json(run_dir / SUMMARY, summary)
+    return summary
+
+
+@dataclass
+class Run:
+    path: Path
+    summary: dict[str, Any]
+
+    def frame(self, name: str) -> pd.DataFrame:
+        p = self.path / f"{name}.parquet"
+        return pd.read_parquet(p) if p.exists() else pd.DataFrame()
+
+
+def find_runs(paths: Iterable[Path | str]) -> list[Run]:
+    """Every complete run at or below the given paths, sorted by path."""
+    runs: list[Run] = []
+    seen: set[Path] = set()
+    for p in map(Path, paths):
+        if not p.exists():
+            raise FileNotFoundError(f"{p}: no such run or sweep directory")
+        candidates = [p / SUMMARY] if (p / SUMMARY).exists() else sorted(p.rglob(SUMMARY))
+        for s in candidates:
+            d = s.parent.resolve()
+            if d in seen:
+                continue
+            seen.add(d)
+            with open(s) as f:
+                runs.append(Run(path=s.parent, summary=json.load(f)))
+    runs.sort(key=lambda r: _natural_key(str(r.path)))
+    return runs
+
+
+def _natural_key(s: str) -> list[object]:
+    """Sort sweep job directories 0, 1, 2, ..., 10 rather than 0, 1, 10, 2."""
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+
+def summaries_frame(runs: list[Run]) -> pd.DataFrame:
+    rows = [{**r.summary, "run_dir": str(r.path)} for r in runs]
+    return pd.DataFrame(rows)
