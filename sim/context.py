@@ -3,7 +3,8 @@ the recorder, and the request it serves."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import simpy
 
@@ -28,3 +29,7 @@ class SimContext:
     cost: CostModel
     oracle: TokenOracle
     rec: RunRecorder
+    # summary fields a schedule contributes (merged into RunResult.extra -> summary.json)
+    extra: dict[str, Any] = field(default_factory=dict)
+    # per-run objects shared by the requests of one simulation (topology, links, accumulators)
+    state: dict[str, Any] = field(default_factory=dict)

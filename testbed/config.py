@@ -321,8 +321,11 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError("placement.draft_gpus", pl.draft_gpus,
                           f"at most {n - pl.target_gpus}: async puts draft and target on disjoint GPUs "
                           f"and placement.target_gpus={pl.target_gpus} of {n} are taken")
+    if s.name == "async" and d.kind == "early_exit":
+        raise ConfigError("pair.draft.kind", d.kind, "transformer or ngram with schedule=async "
+                          "(an early-exit draft runs on the target's GPUs, async needs its own)")
     _int_range("placement.nodes", pl.nodes, 1, 64)
-    if s.name == "decentralized" and pl.nodes > t.layers:
+    if s.name in ("decentralized", "ar") and pl.nodes > t.layers:
         raise ConfigError("placement.nodes", pl.nodes, f"at most the target's {t.layers} layers")
 
     net = exp.network
@@ -334,6 +337,9 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _choice("acceptance", a.oracle, ORACLES)
     _float_range("acceptance.alpha", a.alpha, 0.0, 1.0, hi_open=True)
     _int_range("acceptance.vocab", a.vocab, 2, 1 << 20)
+    if s.name == "decentralized" and s.adaptive and a.oracle == "iid":
+        raise ConfigError("schedule.adaptive", s.adaptive, "false with acceptance=iid (DSD adaptive "
+                          "verification needs token distributions: use acceptance=synthetic)")
 
     sm = exp.sim
     _choice("sim.cost_model", sm.cost_model, COST_MODELS)

@@ -8,6 +8,8 @@ path through a token tree sees consistent, correlated target and draft distribut
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -74,3 +76,15 @@ def tv_distance(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], flo
     n = len(samples)
     keys = set(counts) | set(exact)
     return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
+
+
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """Run torch on one CPU thread: these tests use tiny tensors, and CPU ops such as softmax
+    go multi-threaded regardless of size, which costs milliseconds per call on shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

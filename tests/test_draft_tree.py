@@ -17,6 +17,13 @@ from hypothesis import strategies as st
 
 from testbed.spec.sampling import SamplingParams, standardize
 from testbed.spec.tree import DraftTree
+from tests.spec_oracle import single_thread
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with single_thread():
+        yield
 
 
 def _dists(gen: torch.Generator, rows: int, vocab: int, top_k: int) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""`ar`: the target emits one token per forward (the baseline of every speedup)."""
+"""`ar`: the target emits one token per forward (the baseline of every speedup).
+
+With ``placement.nodes > 1`` the target is a pipeline over nodes and links (sim.pipeline): every
+token then makes a full round trip (the baseline of `decentralized`)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,11 @@ from sim.schedules import register
 
 @register("ar")
 def ar(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
+    if ctx.exp.placement.nodes > 1:
+        from sim.pipeline import ar_pipeline
+
+        yield from ar_pipeline(ctx, req)
+        return
     env, cost, rec = ctx.env, ctx.cost, ctx.rec
     seq = ctx.oracle.sequence(req.request_id, req.prompt_len)
     rid = req.request_id

@@ -139,7 +139,9 @@ def acceptance_hist(ctx: ReportContext) -> str:
 
 @section(50, "Timeline")
 def timeline(ctx: ReportContext) -> str:
-    if len(ctx.runs) != 1:
+    from testbed.report.sections_sim import draws_timeline
+
+    if len(ctx.runs) != 1 or draws_timeline(ctx.df):  # async/trees/pipelines: sections_sim
         return ""
     tl = ctx.runs[0].frame("timeline")
     if tl.empty:

@@ -74,7 +74,10 @@ def soften(p_t: torch.Tensor, p_d: torch.Tensor, tau: float) -> torch.Tensor:
         mixed = p_d.clone()
     else:  # in log space: 0^a = 0 for a > 0 and no underflow of small products
         logits = (1.0 - tau) * torch.log(p_t) + tau * torch.log(p_d)
-        mixed = torch.softmax(logits, dim=-1)
+        # normalized by hand: CPU torch.softmax goes multi-threaded even on tiny tensors, which
+        # costs milliseconds per call when cores are shared
+        mixed = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+        mixed = mixed / mixed.sum(dim=-1, keepdim=True)
     dead = ~torch.isfinite(mixed).all(dim=-1, keepdim=True) | (mixed.sum(dim=-1, keepdim=True) <= 0)
     return torch.where(dead, p_t, mixed)
 

@@ -25,6 +25,22 @@ parent and contain, at every node, a prefix of its children in draw order.
 Re-rooting (§3.2, Fig. 5). ``reroot(verified_tokens)`` walks down along the tokens emitted by the
 target, moves the verified path into the prefix, keeps the subtree of the last verified token
 (if it is in the tree) and returns the ``KVCompactionPlan`` that makes the draft KV cache match.
+
+One round, as a backend drives it (tensors built here are on the CPU; move them as needed)::
+
+    for _ in range(d):
+        leaves = tree.leaves_to_expand(w)          # draft forward on these leaves with
+        q = ...                                    # tree.expansion_mask(leaves), tree.positions(leaves)
+        tree.expand(leaves, q, num_children=c, generator=g)
+    batch = tree.select_subtree(bs)                # target forward: batch.input_ids,
+    p = ...                                        # batch.position_ids, batch.attention_mask
+    result = verify_tree(batch, p, greedy, g)      # tree_verify.py
+    plan = tree.reroot(result.tokens)              # plan.apply(cache, seq_dim); run plan.recompute
+
+For losslessness at temperature > 0 in sample mode, decide *how many* expansions to run without
+looking at the drawn tokens (a fixed d or the clock; ``len(tree)`` too while every q has at least
+c tokens of positive probability) and pick leaves only with ``leaves_to_expand``: the tree itself
+never lets token values steer its shape.
 """
 
 from __future__ import annotations
@@ -234,9 +250,11 @@ class DraftTree:
         top_p, top_idx = torch.topk(dists, c, dim=-1)
         if self.mode == "sample":
             # ordered sampling without replacement (exponential race: token x arrives at
-            # E_x / q(x), E ~ Exp(1)); the arrival order is the sequential draw order
-            race = dists / torch.empty_like(dists).exponential_(generator=generator)
-            race = torch.where(dists > 0, race, -1.0)
+            # E_x / q(x), E = -log U ~ Exp(1)); the arrival order is the sequential draw order.
+            # Zero-probability tokens get key 0 and come last (dropped below). -log U is ~5x
+            # faster than Tensor.exponential_ on CPU.
+            race = torch.rand(dists.shape, generator=generator, device=dists.device, dtype=dists.dtype)
+            race = torch.div(dists, race.log_().neg_(), out=race)
             draws = torch.topk(race, c, dim=-1).indices
             child_p, child_tok = dists.gather(-1, draws).tolist(), draws.tolist()
         else:

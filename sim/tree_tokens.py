@@ -1,0 +1,236 @@
+"""Token sources for draft trees in the simulator (`sync_tree`, `async`).
+
+The tree itself (growth, selection, re-rooting, KV plan) is ``testbed.spec.tree.DraftTree`` and
+the verification ``testbed.spec.tree_verify``; this module only says where the draft's and the
+target's distributions come from, per request:
+
+``acceptance=synthetic`` — ``SyntheticLM`` (sim.oracle) on the tree paths: a node's draft q is
+the draft distribution after (the committed tokens, the node's path); the target's p at every
+verified node likewise. At temperature 0 the tree is grown in ``topk`` mode ranked by the draft's
+softmax at temperature 1 (the standardized q is one-hot and would make every tree a chain;
+SwiftSpec ranks by the softmax log-probabilities) and verified greedily: the output is exactly
+greedy `ar`. At temperature > 0 the tree is grown in ``sample`` mode from the standardized q (the
+proposal the lossless multi-candidate rule needs) and verified by ``verify_sampled``.
+
+``acceptance=iid`` — a *rank model* with no token ids. The draft's children of every node are
+its ranks 0, 1, 2, … with probabilities α(1−α)^j (a calibrated draft); at every verified node
+the target's token has draft rank J ~ Geometric(α): P(J = j) = α(1−α)^j, independent across
+nodes. The target accepts the batch child of rank J if it was sent, otherwise J is the bonus
+token (still a tree node when J < tree_width, so re-rooting keeps its subtree). A chain (one
+child per node) is therefore accepted token by token with probability α — Leviathan's i.i.d.
+model — and a node verified with its m best children accepts with 1 − (1−α)^m.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from sim.context import SimContext, SimRequest
+from sim.oracle import IidOracle, SyntheticSequence
+from testbed.spec.tree import DraftTree, TreeBatch, TreeMode
+from testbed.spec.tree_verify import verify_tree
+
+Keys = list[tuple[int, int]]
+
+
+@dataclass
+class TreeOutcome:
+    tokens: list[int]  # accepted tokens, then the target's own token (the bonus)
+    accepted: int
+    checked: int  # accepted + 1 when the stop node had candidates that were all rejected
+
+
+class TreeTokens(ABC):
+    """Draft and target distributions on the tree of one request."""
+
+    mode: TreeMode = "topk"
+    generator: torch.Generator | None = None
+
+    @abstractmethod
+    def history(self) -> list[int]:
+        """Committed tokens (the tree's root is the last)."""
+
+    @abstractmethod
+    def draft_dists(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        """[len(nodes), V]: the draft's distribution after each node (for DraftTree.expand)."""
+
+    def target_keys(self, tree: DraftTree, batch: TreeBatch) -> Keys:
+        """What the target needs to know about the batch's contexts, fixed when it is sent."""
+        return []
+
+    @abstractmethod
+    def verify(self, batch: TreeBatch, keys: Keys) -> TreeOutcome: ...
+
+    @abstractmethod
+    def commit(self, tokens: list[int]) -> None:
+        """The draft learns the verified tokens (before it re-roots)."""
+
+    def new_tree(self) -> DraftTree:
+        h = self.history()
+        return DraftTree(root_token=h[-1], prefix_len=len(h) - 1, mode=self.mode)
+
+
+def _checked(batch: TreeBatch, accepted_nodes: list[int]) -> int:
+    """Accepted guesses plus one when the walk stopped at a node whose candidates all failed."""
+    stop = batch.node_ids.index(accepted_nodes[-1]) if accepted_nodes else 0
+    return len(accepted_nodes) + (1 if batch.children[stop] else 0)
+
+
+class SyntheticTreeTokens(TreeTokens):
+    def __init__(self, seq: SyntheticSequence) -> None:
+        self.seq, self.lm = seq, seq.lm
+        self.greedy = seq.lm.params.greedy
+        self.mode = "topk" if self.greedy else "sample"
+        self.generator = seq.gen
+        self._rank_cache: dict[tuple[int, int], torch.Tensor] = {}
+
+    def history(self) -> list[int]:
+        return self.seq.tokens
+
+    def _key(self, tree: DraftTree, node: int) -> tuple[int, int]:
+        """The synthetic LM is a bigram model: the last two tokens of the node's context."""
+        if tree.depths[node] == 0:
+            h = self.seq.tokens
+            return h[-2], h[-1]
+        parent = tree.parents[node]
+        return tree.tokens[parent], tree.tokens[node]
+
+    def _ranking(self, key: tuple[int, int]) -> torch.Tensor:
+        q = self._rank_cache.get(key)
+        if q is None:
+            if len(self._rank_cache) > 65536:
+                self._rank_cache.clear()
+            d = self.lm.logits(*key)[1].float()
+            e = torch.exp(d - d.max())  # softmax by hand: torch.softmax threads on tiny inputs
+            q = self._rank_cache[key] = e / e.sum()
+        return q
+
+    def draft_dists(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        keys = [self._key(tree, n) for n in nodes]
+        if self.greedy:
+            return torch.stack([self._ranking(k) for k in keys])
+        return torch.stack([self.lm.dists(k)[1] for k in keys])
+
+    def target_keys(self, tree: DraftTree, batch: TreeBatch) -> Keys:
+        return [self._key(tree, n) for n in batch.node_ids]
+
+    def verify(self, batch: TreeBatch, keys: Keys) -> TreeOutcome:
+        p = torch.stack([self.lm.dists(k)[0] for k in keys])
+        res = verify_tree(batch, p, self.greedy, self.generator)
+        return TreeOutcome(res.tokens, res.accepted, _checked(batch, res.accepted_nodes))
+
+    def commit(self, tokens: list[int]) -> None:
+        self.seq.tokens.extend(tokens)
+
+
+class IidTreeTokens(TreeTokens):
+    """The rank model of the module docstring; tokens are draft ranks, ids are not produced."""
+
+    def __init__(self, alpha: float, width: int, rng: random.Random) -> None:
+        self.alpha, self.width, self.rng = alpha, width, rng
+        self.row = torch.tensor([alpha * (1.0 - alpha) ** j for j in range(width)])
+        self._log_miss = math.log1p(-alpha) if alpha > 0 else 0.0
+        self._len = 2  # committed length (ids are meaningless; only the count matters)
+
+    def history(self) -> list[int]:
+        return [-1] * self._len  # the root token is never matched against a child
+
+    def draft_dists(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        return self.row.expand(len(nodes), self.width)
+
+    def rank(self) -> int:
+        """J ~ Geometric(α) on {0, 1, ...} by inversion; α = 0 never matches."""
+        if self.alpha <= 0.0:
+            return self.width
+        u = self.rng.random()
+        return int(math.log1p(-u) / self._log_miss) if u > 0.0 else 0
+
+    def verify(self, batch: TreeBatch, keys: Keys) -> TreeOutcome:
+        node, accepted, tokens = 0, [], []
+        while True:
+            j = self.rank()
+            nxt = next((c for c in batch.children[node] if batch.tokens[c] == j), -1)
+            if nxt < 0:
+                tokens.append(j)
+                break
+            node = nxt
+            accepted.append(batch.node_ids[node])
+            tokens.append(j)
+        return TreeOutcome(tokens, len(accepted), _checked(batch, accepted))
+
+    def commit(self, tokens: list[int]) -> None:
+        self._len += len(tokens)
+
+
+def tree_tokens(ctx: SimContext, req: SimRequest) -> TreeTokens:
+    oracle = ctx.oracle
+    if isinstance(oracle, IidOracle):
+        return IidTreeTokens(oracle.alpha, ctx.exp.schedule.tree_width, oracle.rng)
+    seq = oracle.sequence(req.request_id, req.prompt_len)
+    if isinstance(seq, SyntheticSequence):
+        return SyntheticTreeTokens(seq)
+    raise ValueError(f"acceptance={ctx.exp.acceptance.oracle}: token trees need acceptance=iid "
+                     "or acceptance=synthetic")
+
+
+class TreeDrafter:
+    """The draft side of a tree schedule: one DraftTree, expansions timed by the cost model."""
+
+    def __init__(self, ctx: SimContext, toks: TreeTokens) -> None:
+        s = ctx.exp.schedule
+        self.ctx, self.toks = ctx, toks
+        self.width, self.budget = s.tree_width, s.tree_budget
+        self.tree = toks.new_tree()
+        self.recompute = 0  # verified tokens whose draft KV was never computed (fed next forward)
+        # tree KV slots kept (moved to the prefix or the new tree) / dropped, over the whole run
+        self.kv = ctx.state.setdefault("tree_kv", {"kept": 0, "freed": 0})
+
+    def expand(self) -> float | None:
+        """Expand the w most probable leaves; returns the forward's seconds (None: nothing
+        left to expand). The tree changes now; the caller lets the time pass."""
+        tree = self.tree
+        leaves = tree.leaves_to_expand(self.width)
+        if not leaves:
+            return None
+        dt = self.ctx.cost.forward("draft", len(leaves) + self.recompute,
+                                   tree.prefix_len + tree.n_slots)
+        self.recompute = 0
+        # w children per expanded leaf
+        tree.expand(leaves, self.toks.draft_dists(tree, leaves), num_children=self.width,
+                    generator=self.toks.generator)
+        return dt
+
+    def fill(self) -> float:
+        """Expand until the tree holds at least `budget` nodes (SwiftSpec Alg. 1 l. 15-16)."""
+        total = 0.0
+        while len(self.tree) < self.budget:
+            dt = self.expand()
+            if dt is None:
+                break
+            total += dt
+        return total
+
+    def select(self) -> tuple[TreeBatch, Keys]:
+        batch = self.tree.select_subtree(self.budget)
+        return batch, self.toks.target_keys(self.tree, batch)
+
+    def advance(self, tokens: list[int]) -> None:
+        """Commit the verified tokens and re-root (KV compaction plan from DraftTree)."""
+        self.toks.commit(tokens)
+        plan = self.tree.reroot(tokens)
+        self.recompute += len(plan.recompute)
+        self.kv["kept"] += len(plan.keep) + len(plan.to_prefix)
+        self.kv["freed"] += len(plan.free)
+
+    def summary_fields(self) -> dict[str, float | None]:
+        moved = self.kv["kept"] + self.kv["freed"]
+        return {"tree_width": self.width, "tree_budget": self.budget,
+                "tree_kv_reuse": self.kv["kept"] / moved if moved else None}
+
+
+BATCH_BYTES_PER_NODE = 12  # token id, position, parent index (int32 each): the mask is implied

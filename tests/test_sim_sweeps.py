@@ -1,0 +1,96 @@
+"""`+sweep=gpu_split` and `+sweep=wan`: every job composes as intended; their report sections."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from sim.engine import run
+from testbed.config import register_configs, validate
+from testbed.report import build_report
+from testbed.results import write_run
+from tests.conftest import CONF, compose_exp, run_cli
+
+PAIRS = ("llama3_70b+llama3_2_3b", "qwen2_72b+qwen2_1_5b", "deepseek_coder_33b+deepseek_coder_1_3b")
+
+
+def sweep_jobs(sweep: str) -> list[list[str]]:
+    """The override lists of every job, as Hydra's basic sweeper builds them."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"+sweep={sweep}"], return_hydra_config=True)
+    assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    axes = [[f"{k}={v}" for v in str(vals).split(",")] for k, vals in cfg.hydra.sweeper.params.items()]
+    return [[f"+sweep={sweep}", *combo] for combo in itertools.product(*axes)]
+
+
+def test_gpu_split_composes_every_split_for_every_pair() -> None:
+    jobs = sweep_jobs("gpu_split")
+    assert len(jobs) == 27
+    seen = set()
+    for job in jobs:
+        exp = compose_exp(*job)
+        pl, s = exp.placement, exp.schedule
+        assert exp.hardware.name == "h800x8" and not exp.report.per_run
+        seen.add((exp.pair.name, s.name, s.tree, pl.target_gpus, pl.draft_gpus))
+    want = {(p, "async", False, x, 8 - x) for p in PAIRS for x in range(1, 8)}
+    want |= {(p, "sync", tree, 8, 8) for p in PAIRS for tree in (False, True)}
+    assert seen == want
+
+
+def test_wan_sweep_grid() -> None:
+    jobs = sweep_jobs("wan")
+    assert len(jobs) == 60
+    keys = {tuple(sorted(o for o in job if not o.startswith("+"))) for job in jobs}
+    assert len(keys) == 60
+    for job in (jobs[0], jobs[-1]):  # the corners compose and validate
+        exp = compose_exp(*job)
+        assert exp.schedule.name == "decentralized" and exp.schedule.adaptive
+        assert exp.hardware.name == "a800_nodes" and exp.network.name == "wan"
+        assert exp.acceptance.oracle == "synthetic" and exp.sampling.temperature == 1.0
+    last = compose_exp(*jobs[-1])
+    assert (last.placement.nodes, last.network.latency_ms, last.schedule.tau) == (8, 100.0, 0.3)
+
+
+def _write(tmp: Path, name: str, *overrides: str) -> None:
+    exp = validate(compose_exp(*overrides))
+    write_run(tmp / name, exp, run(exp))
+
+
+def test_gpu_split_report_section(tmp_path: Path) -> None:
+    small = ("workload.num_prompts=1", "workload.max_new_tokens=32", "hardware=h800x8")
+    for split in ("t2", "t6", "sync", "sync_tree"):
+        _write(tmp_path, split, f"+split={split}", *small)
+    md = build_report([tmp_path], tmp_path).read_text()
+    section = md.split("## GPU split")[1].split("\n## ")[0]
+    assert "| t2 | t6 | sync | sync_tree |" in section
+    assert "best split" in section and (tmp_path / "gpu_split.png").exists()
+    assert "## Timeline (Gantt)" in md and (tmp_path / "gantt.png").exists()
+    assert "\n## Timeline\n" not in md  # the plain timeline defers to the Gantt section
+
+
+def test_decentralized_report_section(tmp_path: Path) -> None:
+    common = ("schedule=decentralized", "hardware=a800_nodes", "sim.cost_model=analytic",
+              "acceptance=iid", "network.jitter_ms=0", "network.bandwidth_gbps=0",
+              "placement.nodes=4", "workload.num_prompts=1", "workload.max_new_tokens=64")
+    for lat in (0, 20, 50):
+        _write(tmp_path, f"lat{lat}", *common, f"network.latency_ms={lat}")
+    md = build_report([tmp_path], tmp_path).read_text()
+    section = md.split("## Decentralized speculative decoding (DSD)")[1].split("\n## ")[0]
+    assert "eq. (5)" in section and "comm_reduction_eq5" in section
+    assert "Theory check" in section and (tmp_path / "decentralized.png").exists()
+
+
+@pytest.mark.slow
+def test_gpu_split_sweep_end_to_end(tmp_path: Path) -> None:
+    out = run_cli("+sweep=gpu_split", f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    md = (tmp_path / "report.md").read_text()
+    assert "27 run(s)" in md
+    table = md.split("Decode tokens/s of every split:")[1]
+    for pair in PAIRS:
+        row = next(line for line in table.splitlines() if line.startswith(f"| {pair} "))
+        assert row.count("|") == 12 and "—" not in row  # pair, hardware, t1..t7, sync, sync_tree
