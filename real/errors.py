@@ -15,3 +15,11 @@ class WeightsNotFound(FileNotFoundError):
 
 class UnsupportedCheckpoint(ValueError):
     """Weights exist but are not a Llama-family checkpoint this backend can run."""
+
+
+class RealSetupError(ValueError):
+    """A real run cannot start as configured (vocabulary mismatch, prompt beyond the context,
+    a model preset without weights); the message names the key and the fix."""
+
+
+USER_ERRORS = (WeightsNotFound, UnsupportedCheckpoint, RealSetupError)

@@ -10,6 +10,7 @@ the ChatML format is used.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -171,3 +172,11 @@ def render_chat_template(template: str, messages: Sequence[Message], add_generat
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template).render(messages=list(messages),
                                             add_generation_prompt=add_generation_prompt, **special)
+
+
+@functools.cache
+def load_bundled_tokenizer() -> Tokenizer:
+    """The bundled SmolLM2 tokenizer (from the GGUF metadata), loaded once per process."""
+    from real.weights import bundled_gguf_path
+
+    return Tokenizer.from_gguf(bundled_gguf_path())

@@ -28,6 +28,17 @@ def run_backend(exp: ExperimentConfig) -> RunResult:
     return module.run(exp)
 
 
+def is_user_error(e: Exception) -> bool:
+    """Errors whose message names the bad setting and the fix (no traceback for those)."""
+    if isinstance(e, ConfigError):
+        return True
+    if "real" in sys.modules.get("real.errors", type("m", (), {"__name__": ""})).__name__:
+        from real.errors import USER_ERRORS
+
+        return isinstance(e, USER_ERRORS)
+    return False
+
+
 def print_summary(summary: dict, run_dir: Path) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -57,7 +68,13 @@ def main(cfg: DictConfig) -> float | None:
     if not exp.pair.name or exp.pair.name == "+":
         exp.pair.name = hc.runtime.choices.get("pair", "")
     run_dir = Path(hc.runtime.output_dir)
-    result = run_backend(exp)
+    try:
+        result = run_backend(exp)
+    except Exception as e:  # a user-actionable setup error: one line, exit 2, nothing written
+        if not is_user_error(e):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     summary = write_run(run_dir, exp, result)
     if exp.report.per_run:
         from testbed.report import build_report

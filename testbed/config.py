@@ -171,6 +171,7 @@ class RealConfig:
     threads: int = 0  # 0 = torch default
     baseline: bool = True  # also run `ar` on the same prompts to report speedup
     progress: bool = True
+    ignore_eos: bool = False  # true: always generate workload.max_new_tokens tokens
 
 
 @dataclass
@@ -358,6 +359,10 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _int_range("sampling.top_k", sp.top_k, 0)
     _float_range("sampling.top_p", sp.top_p, 0.0, 1.0, lo_open=True)
 
+    if exp.backend == "real" and (s.name not in ("ar", "sync") or s.tree):
+        raise ConfigError("schedule", s.name + (" (tree)" if s.tree else ""),
+                          "ar or sync (without tree) with backend=real; async, decentralized and "
+                          "trees run on backend=sim")
     _choice("real.dtype", exp.real.dtype, ("fp32", "bf16", "fp16"))
     _int_range("real.threads", exp.real.threads, 0, 1024)
     return exp

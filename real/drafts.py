@@ -1,0 +1,166 @@
+"""Drafts of the real backend: a small model, the target's first layers, or prompt lookup.
+
+Every draft proposes up to γ guesses for the sequence ``ids`` and the distributions ``q`` they
+were drawn from; the target then verifies with testbed.spec.speculative (Algorithm 1). Draft
+caches follow the sync schedule of sim/schedules/sync.py: the first forward of a round feeds the
+tokens the draft has not seen yet (the previous bonus, plus the last guess after a fully
+accepted round), the following γ−1 forwards feed one guess each.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+
+from real.model import Transformer
+from testbed.spec.sampling import SamplingParams, sample, standardize
+
+
+def one_hot(tokens: list[int], vocab: int) -> torch.Tensor:
+    """q for a deterministic draft: every guess has probability 1 (Algorithm 1 then accepts
+    x with probability p(x) and resamples from norm(max(p − q, 0)) — still lossless)."""
+    q = torch.zeros(len(tokens), vocab)
+    if tokens:
+        q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return q
+
+
+class Draft(ABC):
+    name: str = "draft"
+
+    def start(self, prompt_ids: list[int]) -> None:  # noqa: B027 - optional hook
+        """Per request, after the target's prefill."""
+
+    @abstractmethod
+    def propose(self, ids: list[int], gamma: int,
+                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
+        """Up to ``gamma`` guesses continuing ``ids`` and their distributions ``q [n, V]``."""
+
+    def commit(self, ids: list[int], accepted: int, proposed: int) -> None:  # noqa: B027
+        """After verification: ``ids`` is the new sequence (``accepted`` guesses + one token)."""
+
+    def forward_probs(self, tokens: list[int], start: int) -> torch.Tensor | None:
+        """One draft forward feeding ``tokens`` at slot ``start`` (calibration); None if the
+        draft has no model."""
+        return None
+
+
+class _ForwardDraft(Draft):
+    """A draft that runs a model forward per guess (its own model, or the target's layers)."""
+
+    def __init__(self, params: SamplingParams, vocab: int) -> None:
+        self.params, self.vocab = params, vocab
+        self.cached = 0  # tokens of the sequence whose K/V the draft holds (slots 0..cached-1)
+        self._base = 0
+
+    @abstractmethod
+    def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
+        """fp32 logits of the last fed token ``[V]``."""
+
+    @torch.inference_mode()
+    def forward_probs(self, tokens: list[int], start: int) -> torch.Tensor:
+        return standardize(self._logits(tokens, start), self.params)
+
+    @torch.inference_mode()
+    def propose(self, ids: list[int], gamma: int,
+                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
+        feed, pos = ids[self.cached:], self.cached
+        self._base = len(ids)
+        guesses: list[int] = []
+        qs = []
+        for _ in range(gamma):
+            q = standardize(self._logits(feed, pos), self.params)
+            t = int(q.argmax()) if self.params.greedy else sample(q, gen)
+            guesses.append(t)
+            qs.append(q)
+            pos += len(feed)
+            feed = [t]
+        self.cached = pos  # ids plus guesses[:-1] are cached now
+        return guesses, torch.stack(qs) if qs else torch.zeros(0, self.vocab)
+
+    def commit(self, ids: list[int], accepted: int, proposed: int) -> None:
+        # the last guess was never fed; accepted guesses beyond the cached ones are pending
+        self.cached = min(self.cached, self._base + accepted) if proposed else self.cached
+
+
+class ModelDraft(_ForwardDraft):
+    """A small model sharing the target's tokenizer, with its own KV cache."""
+
+    def __init__(self, model: Transformer, params: SamplingParams, name: str) -> None:
+        super().__init__(params, model.args.vocab_size)
+        self.model, self.name = model, name
+
+    @torch.inference_mode()
+    def start(self, prompt_ids: list[int]) -> None:
+        self.model.truncate(0)
+        if len(prompt_ids) > 1:
+            x = torch.tensor([prompt_ids[:-1]], device=self.model.device)
+            self.model.forward_layers(self.model.embed(x), 0)
+        self.cached = len(prompt_ids) - 1
+
+    def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
+        x = torch.tensor([tokens], device=self.model.device)
+        h = self.model.forward_layers(self.model.embed(x), start)
+        return self.model.head(h[:, -1:])[0, -1]
+
+
+class EarlyExitDraft(_ForwardDraft):
+    """The target's first ``exit_layer`` layers + its final norm and LM head (self-speculation).
+
+    It shares the target's KV cache: the K/V it writes for layers < exit_layer are exactly what
+    the target writes for the same tokens at the same slots, and the verification forward
+    rewrites every slot a guess used, so nothing needs undoing after a rejection.
+    """
+
+    def __init__(self, target: Transformer, exit_layer: int, params: SamplingParams) -> None:
+        super().__init__(params, target.args.vocab_size)
+        self.target, self.exit_layer = target, exit_layer
+        self.name = f"early_exit{exit_layer}"
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.cached = len(prompt_ids) - 1  # the target's prefill filled these slots
+
+    def commit(self, ids: list[int], accepted: int, proposed: int) -> None:
+        self.cached = len(ids) - 1  # the target's verification rewrote every slot but the bonus
+
+    def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
+        x = torch.tensor([tokens], device=self.target.device)
+        h = self.target.forward_layers(self.target.embed(x), start, None, 0, self.exit_layer)
+        return self.target.head(h[:, -1:])[0, -1]
+
+
+class NgramDraft(Draft):
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
+    (n = ngram down to 1) and propose the tokens that followed it. No model; q is one-hot."""
+
+    def __init__(self, ngram: int, vocab: int) -> None:
+        self.ngram, self.vocab = ngram, vocab
+        self.name = f"ngram{ngram}"
+
+    def lookup(self, ids: list[int], gamma: int) -> list[int]:
+        n_ids = len(ids)
+        for n in range(min(self.ngram, n_ids - 1), 0, -1):
+            suffix = ids[n_ids - n:]
+            first = suffix[0]
+            # scan backwards for the most recent match that has a continuation
+            for j in range(n_ids - n - 1, -1, -1):
+                if ids[j] == first and ids[j:j + n] == suffix:
+                    return ids[j + n:j + n + gamma]
+        return []
+
+    def propose(self, ids: list[int], gamma: int,
+                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
+        guesses = self.lookup(ids, gamma)
+        return guesses, one_hot(guesses, self.vocab)
+
+
+def resolve_path(path: str) -> Path:
+    """A model path as given, or relative to the repository root (presets ship relative paths)."""
+    p = Path(path).expanduser()
+    if not p.exists() and not p.is_absolute():
+        root = Path(__file__).resolve().parents[1]
+        if (root / p).exists():
+            return root / p
+    return p
