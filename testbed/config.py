@@ -197,6 +197,20 @@ class ExperimentConfig:
     report: ReportConfig = field(default_factory=ReportConfig)
 
 
+def default_gpus(role: str, schedule: str, gpus_per_node: int) -> int:
+    """Placement defaults: every GPU for both models, except `async`, which needs disjoint
+    groups — 3/8 of the node for the draft (SwiftSpec's best Llama-3-70B split is 5+3)."""
+    if schedule != "async" or gpus_per_node < 2:
+        return gpus_per_node
+    draft = max(1, round(3 * gpus_per_node / 8))
+    return draft if role == "draft" else gpus_per_node - draft
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("default_gpus"):
+        OmegaConf.register_new_resolver("default_gpus", default_gpus)
+
+
 def register_configs() -> None:
     """Register the schema so Hydra type-checks every override against it, and every
     `pair=TARGET+DRAFT` combination of model presets (files in conf/pair/ take precedence)."""
@@ -204,6 +218,7 @@ def register_configs() -> None:
 
     from hydra.core.config_store import ConfigStore
 
+    register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="experiment_schema", node=ExperimentConfig)
     conf = Path(__file__).resolve().parents[1] / "conf"
@@ -220,6 +235,7 @@ def register_configs() -> None:
 
 def to_experiment(cfg: DictConfig | dict) -> ExperimentConfig:
     """Composed config (OmegaConf) -> plain dataclasses; drops the `hydra` node if present."""
+    register_resolvers()
     if isinstance(cfg, dict):
         cfg = OmegaConf.create(cfg)
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg

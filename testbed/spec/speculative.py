@@ -62,7 +62,8 @@ def speculative_step(
     gamma = int(draft_tokens.numel())
     assert p.shape[0] == gamma + 1 and q.shape[0] == gamma, (p.shape, q.shape, gamma)
     ratios = acceptance_ratios(p[:gamma], q, draft_tokens).tolist() if gamma else []
-    uniforms = torch.rand(gamma, generator=generator).tolist() if gamma else []
+    # r ~ U(0, 1]: with U[0, 1) an r of exactly 0 would accept a guess the target gives p = 0
+    uniforms = (1.0 - torch.rand(gamma, generator=generator)).tolist() if gamma else []
     n = accepted_prefix(ratios, uniforms)
     p_next = residual(p[n], q[n]) if n < gamma else p[n]
     t = sample(p_next, generator)

@@ -109,7 +109,7 @@ def verify_sampled(
             q_i = proposal if sampled else _point_mass(x, target)
             ratio = float(target[x]) / max(float(q_i[x]), 1e-30)
             tested += 1
-            if accepted_prefix([ratio], torch.rand(1, generator=generator, device=device).tolist()):
+            if accepted_prefix([ratio], (1.0 - torch.rand(1, generator=generator, device=device)).tolist()):
                 nxt = kid
                 break
             target = residual(target, q_i)
