@@ -5,6 +5,9 @@ import sys
 from testbed.preflight import main_guard
 
 if __name__ == "__main__":
+    # argparse stops collecting overrides at a flag: move -m/--multirun in front of them
+    flags = [a for a in sys.argv[1:] if a in ("-m", "--multirun")]
+    sys.argv[1:] = flags + [a for a in sys.argv[1:] if a not in ("-m", "--multirun")]
     if not any(a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") or a.startswith("--cfg")
                for a in sys.argv[1:]):
         main_guard(sys.argv[1:])

@@ -170,3 +170,24 @@ def timeline(ctx: ReportContext) -> str:
     fig.savefig(ctx.figure_path("timeline.png"), dpi=110)
     plt.close(fig)
     return "![timeline](timeline.png)"
+
+
+@section(60, "Telemetry (real runs)")
+def telemetry(ctx: ReportContext) -> str:
+    """CPU utilisation and resident memory (psutil), GPU utilisation/memory (NVML) per real run."""
+    rows = []
+    keys = varying_keys(ctx.df)
+    for run, (_, row) in zip(ctx.runs, ctx.df.iterrows()):
+        t = run.frame("telemetry")
+        if t.empty:
+            continue
+        out = {"run": run_label(row, keys), "samples": len(t),
+               "cpu % (machine)": t["cpu_percent"].mean(), "cpu % (process)": t["process_cpu_percent"].mean(),
+               "RSS max MB": t["rss_mb"].max()}
+        if "gpu_util_percent" in t:
+            out |= {"GPU util %": t["gpu_util_percent"].mean(), "GPU mem max MB": t["gpu_mem_used_mb"].max()}
+        rows.append(out)
+    if not rows:
+        return ""
+    return ("Sampled every 0.25 s during the schedule (not the `ar` baseline); "
+            "`cpu % (process)` counts one core as 100.\n\n" + markdown_table(pd.DataFrame(rows)))

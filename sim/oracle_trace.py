@@ -1,0 +1,189 @@
+"""`acceptance=trace`: replay the acceptance a real run recorded (its rounds.parquet).
+
+A real `sync` run records, per verification, how many guesses the draft proposed (`drafted`)
+and how many the target kept (`accepted`). Laid end to end, a request's rounds give a
+per-position *match stream* of the generated sequence: in a round starting at position j that
+kept n of d guesses, positions j..j+n-1 matched the target, position j+n did not (when n < d),
+and the bonus position after a fully accepted round is unobserved. At temperature 0 with a
+model draft this stream is exactly what decides every round at any γ (the draft's guess at a
+position depends on the committed prefix only), so a trace taken at one γ drives another.
+
+Replay per request: simulated request i follows recorded request i mod N from its start (a
+prompt's acceptance is its own: n-gram drafts accept far more on some prompts than on others,
+and tokens/s is a mean of per-request rates). With the trace's γ each recorded round is replayed
+as it was (exact: the accepted-length distribution is reproduced); with another γ the stream is
+walked position by position and unobserved positions are drawn with the stream's match rate
+from the simulation's seed. Decisions go through testbed.spec.speculative.accepted_prefix with
+ratios 1 (match) / 0 (mismatch), like every other oracle.
+
+``acceptance.trace_path`` is a real run directory, its rounds.parquet, or a directory of runs
+(e.g. a validation sweep): then runs are filtered by the experiment key (schedule sync, pair,
+workload, temperature; γ preferred), and runs on the `calibrate` prompt split are preferred to
+any other, so a holdout prediction never replays the holdout's own acceptance.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from sim.oracle import ORACLES, ChainOutcome, SequenceOracle, TokenOracle
+from testbed.config import ConfigError, ExperimentConfig
+from testbed.spec.speculative import accepted_prefix
+
+HOWTO = ("record one with `python -m testbed backend=real schedule=sync workload.split=calibrate` "
+         "(or run `python -m testbed +sweep=validate`)")
+
+
+@dataclass
+class RequestTrace:
+    """One recorded request: its rounds in order, as (drafted, accepted)."""
+
+    rounds: list[tuple[int, int]]
+    gamma: int  # the recorded run's schedule.gamma (its lookahead cap)
+
+    def __post_init__(self) -> None:
+        # match[j]: 1 matched, 0 rejected, -1 unobserved; starts[j]: round index starting at j
+        self.match: list[int] = []
+        self.starts: dict[int, int] = {}
+        self.covering: list[tuple[int, int]] = []  # per position: (round start, drafted)
+        for idx, (d, n) in enumerate(self.rounds):
+            j = len(self.match)
+            self.starts[j] = idx
+            self.match += [1] * n + ([0] if n < d else [-1]) if d else [-1]
+            self.covering += [(j, d)] * (len(self.match) - j)
+        known = [m for m in self.match if m >= 0]
+        self.match_rate = sum(known) / len(known) if known else 0.0
+
+    @property
+    def length(self) -> int:
+        return len(self.match)
+
+
+def run_split(run_dir: Path, summary: dict) -> str:
+    """The prompt split a run used (experiment.yaml, else summary's workload_split, else all)."""
+    exp_file = run_dir / "experiment.yaml"
+    if exp_file.exists():
+        split = (yaml.safe_load(exp_file.read_text()) or {}).get("workload", {}).get("split")
+        if split:
+            return str(split)
+    return str(summary.get("workload_split") or "all")
+
+
+def _runs_below(path: Path) -> list[tuple[Path, dict]]:
+    found = [path / "summary.json"] if (path / "summary.json").exists() else sorted(path.rglob("summary.json"))
+    return [(s.parent, json.loads(s.read_text())) for s in found]
+
+
+def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dict]]:
+    """The recorded runs that drive this experiment (see the module docstring)."""
+    if path.is_file():
+        if path.name != "rounds.parquet":
+            raise ConfigError("acceptance.trace_path", str(path), "a run directory or its rounds.parquet")
+        path = path.parent
+    if not path.exists():
+        raise ConfigError("acceptance.trace_path", str(path), f"an existing directory; {HOWTO}")
+    runs = [(d, s) for d, s in _runs_below(path) if s.get("schedule") == "sync"
+            and (d / "rounds.parquet").exists()]
+    if (path / "summary.json").exists():
+        return runs  # one run named explicitly: use it whatever its key
+    runs = [(d, s) for d, s in runs
+            if s.get("pair") == exp.pair.name and s.get("workload") == exp.workload.name
+            and float(s.get("temperature", -1)) == float(exp.sampling.temperature)]
+    calibrate = [(d, s) for d, s in runs if run_split(d, s) == "calibrate"]
+    if calibrate:
+        runs = calibrate
+    elif exp.workload.split == "holdout":
+        runs = [(d, s) for d, s in runs if run_split(d, s) != "holdout"]
+    if exp.backend == "sim":
+        real = [(d, s) for d, s in runs if s.get("backend") == "real"]
+        runs = real or runs
+    same_gamma = [(d, s) for d, s in runs if int(s.get("gamma", -1)) == exp.schedule.gamma]
+    return same_gamma or runs
+
+
+def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
+    """Every recorded request of the selected runs, in order; ConfigError when there is none."""
+    raw = exp.acceptance.trace_path
+    if not raw:
+        raise ConfigError("acceptance.trace_path", raw, f"a real run directory (acceptance=trace replays one); {HOWTO}")
+    path = Path(raw).expanduser()
+    runs = select_trace_runs(path, exp)
+    if not runs:
+        raise ConfigError("acceptance.trace_path", raw,
+                          f"a directory with a recorded sync run of pair={exp.pair.name} "
+                          f"workload={exp.workload.name} temperature={exp.sampling.temperature} "
+                          f"(none found); {HOWTO}")
+    traces: list[RequestTrace] = []
+    for run_dir, summary in runs:
+        rounds = pd.read_parquet(run_dir / "rounds.parquet", columns=["request_id", "round", "drafted", "accepted"])
+        gamma = int(summary.get("gamma", 0))
+        for _, g in rounds.sort_values(["request_id", "round"]).groupby("request_id", sort=True):
+            recs = list(zip(g["drafted"].astype(int), g["accepted"].astype(int)))
+            if recs:
+                traces.append(RequestTrace(recs, gamma))
+    if not traces:
+        raise ConfigError("acceptance.trace_path", raw, f"a run with recorded rounds (its rounds.parquet is empty); {HOWTO}")
+    return traces
+
+
+class TraceSequence(SequenceOracle):
+    """Walks one recorded request; wraps around when the simulation outlasts the recording."""
+
+    def __init__(self, trace: RequestTrace, rng: random.Random) -> None:
+        self.trace, self.rng, self.pos = trace, rng, 0
+
+    def ar_token(self) -> int:
+        self.pos = (self.pos + 1) % self.trace.length
+        return -1
+
+    def _matched(self, j: int) -> bool:
+        m = self.trace.match[j % self.trace.length]
+        return m == 1 if m >= 0 else self.rng.random() < self.trace.match_rate
+
+    def _proposals(self, gamma: int) -> int:
+        """Guesses a draft proposes here: γ for drafts that always fill the window; for n-gram
+        lookups, what the recorded round covering this position had left."""
+        start, drafted = self.trace.covering[self.pos]
+        if drafted >= self.trace.gamma:
+            return gamma
+        return max(0, min(gamma, drafted - (self.pos - start)))
+
+    def chain_round(self, gamma: int) -> ChainOutcome:
+        t = self.trace
+        idx = t.starts.get(self.pos)
+        if idx is not None and gamma == t.gamma:  # the recorded round, exactly
+            drafted, accepted = t.rounds[idx]
+            ratios = [1.0] * accepted + [0.0] * (drafted - accepted)
+        else:
+            drafted = self._proposals(gamma)
+            ratios = []
+            for i in range(drafted):
+                ratios.append(1.0 if self._matched(self.pos + i) else 0.0)
+                if not ratios[-1]:
+                    break
+            ratios += [0.0] * (drafted - len(ratios))
+        n = accepted_prefix(ratios, [1.0] * drafted)  # r = 1 accepts ratio 1, rejects ratio 0
+        self.pos = (self.pos + n + 1) % t.length
+        return ChainOutcome(accepted=n, ratios=ratios, proposed=drafted)
+
+
+class TraceOracle(TokenOracle):
+    def __init__(self, exp: ExperimentConfig, seed: int) -> None:
+        if exp.schedule.name in ("async",) or exp.schedule.tree:
+            raise ConfigError("acceptance", "trace", "iid or synthetic with token trees "
+                              "(a trace records chains: use schedule=sync or ar)")
+        self.traces = load_trace(exp)
+        self.seed = seed
+
+    def sequence(self, request_id: int, prompt_len: int) -> SequenceOracle:
+        trace = self.traces[request_id % len(self.traces)]
+        return TraceSequence(trace, random.Random(1_000_003 * self.seed + request_id))
+
+
+ORACLES["trace"] = TraceOracle
