@@ -7,6 +7,10 @@ everywhere at once. A replacement must accept the reference's arguments and layo
 Defaults: the PyTorch references of ``kernels/reference.py``, except on CPU (``kernels/cpu.py``):
 the GEMM ops (linear, swiglu) use oneDNN where available (~2x faster batch-1 decode than
 MKL's GEMV) and attention over few queries is two explicit matmuls (faster than SDPA there).
+Where the native kernels build (``kernels/native.py``: a C++ compiler, x86 AVX-512 or any CPU
+with a slower generic path), GEMVs over <= 8 tokens stream weights with a hand-written kernel
+and ``decode_layers`` runs a whole run of decoder layers in one call (decode and short
+verifications at batch 1); everything else keeps the ops above.
 ``reset()`` restores these defaults, ``use_reference()`` the plain references everywhere.
 """
 
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kernels import cpu, reference
+from kernels import cpu, native, reference
 
 OPS: tuple[str, ...] = (
     "linear",
@@ -23,6 +27,7 @@ OPS: tuple[str, ...] = (
     "attention",
     "swiglu",
     "swiglu_fused",
+    "decode_layers",
 )
 
 
@@ -32,6 +37,9 @@ def defaults() -> dict[str, Callable]:
     if cpu.AVAILABLE:
         ops.update(linear=cpu.linear, swiglu=cpu.swiglu, swiglu_fused=cpu.swiglu_fused)
     ops.update(attention=cpu.attention)  # falls back to the reference off CPU / for long inputs
+    if native.AVAILABLE:  # each falls back to the ops above where it does not apply
+        ops.update(linear=native.linear, swiglu_fused=native.swiglu_fused,
+                   decode_layers=native.decode_layers)
     return ops
 
 
@@ -42,13 +50,19 @@ apply_rope = _DEFAULTS["apply_rope"]
 attention = _DEFAULTS["attention"]
 swiglu = _DEFAULTS["swiglu"]
 swiglu_fused = _DEFAULTS["swiglu_fused"]
+decode_layers = _DEFAULTS["decode_layers"]
 
 
 def register(name: str, fn: Callable) -> None:
-    """Use ``fn`` for op ``name`` from now on (e.g. a Triton kernel on GPU)."""
+    """Use ``fn`` for op ``name`` from now on (e.g. a Triton kernel on GPU).
+
+    The default ``decode_layers`` fuses the default ops: registering any other op switches it
+    to the reference (no fusion), so that the replacement really runs in every layer."""
     if name not in OPS:
         raise KeyError(f"unknown kernel op {name!r}; known: {', '.join(OPS)}")
     globals()[name] = fn
+    if name != "decode_layers" and globals()["decode_layers"] is _DEFAULTS["decode_layers"]:
+        globals()["decode_layers"] = reference.decode_layers
 
 
 def get(name: str) -> Callable:

@@ -190,6 +190,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin_signed", sin.to(device), persistent=False)
         self.kv_len = 0
         self.max_seq = 0  # 0 until setup_cache
+        self.cache_epoch = 0  # bumped by every setup_cache (new KVCache modules)
 
     # ------------------------------------------------------------------------------ setup
     @property
@@ -220,6 +221,7 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = KVCache(max_batch, self.args.n_kv_heads, max_seq, self.args.head_dim,
                                                dtype or self.dtype, self.device) if lo <= i < hi else None
         self.max_seq, self.kv_len = max_seq, 0
+        self.cache_epoch += 1  # tells kernels that cached pointers to the old caches are stale
 
     def truncate(self, n: int) -> None:
         """Roll back to the first ``n`` slots: free, later writes overwrite the rest."""
@@ -276,8 +278,14 @@ class Transformer(nn.Module):
         if high > self.max_seq:
             raise ValueError(f"slot {high - 1} is beyond the KV cache ({self.max_seq} slots; "
                              "call setup_cache with a larger max_seq)")
-        for layer in self.layers[lo:hi]:
-            h = layer(h, cos, sin, pos, mask, kv_len)
+        # One native call for all the layers where it applies (batch 1, <= 8 tokens on CPU: the
+        # per-op dispatch overhead exceeds the weight streaming time otherwise); else op by op.
+        fused = kernels.decode_layers(self, lo, hi, h, cos, sin, pos, mask, kv_len)
+        if fused is not None:
+            h = fused
+        else:
+            for layer in self.layers[lo:hi]:
+                h = layer(h, cos, sin, pos, mask, kv_len)
         self.kv_len = high
         return h
 

@@ -33,6 +33,7 @@ class ChainOutcome:
     accepted: int  # guesses kept
     tokens: list[int] = field(default_factory=list)  # emitted ids (empty for iid)
     ratios: list[float] = field(default_factory=list)
+    proposed: int | None = None  # guesses actually drafted when fewer than γ (trace: n-gram); None = γ
 
 
 class SequenceOracle(ABC):

@@ -55,7 +55,9 @@ class RequestTrace:
         for idx, (d, n) in enumerate(self.rounds):
             j = len(self.match)
             self.starts[j] = idx
-            self.match += [1] * n + ([0] if n < d else [-1]) if d else [-1]
+            # n matches, then the rejected guess (or, after a full round or when nothing was
+            # proposed, a bonus position whose match is unobserved)
+            self.match += [1] * n + ([0] if n < d else [-1])
             self.covering += [(j, d)] * (len(self.match) - j)
         known = [m for m in self.match if m >= 0]
         self.match_rate = sum(known) / len(known) if known else 0.0

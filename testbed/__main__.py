@@ -2,9 +2,10 @@
 
 import sys
 
-from testbed.preflight import main_guard
+from testbed.preflight import main_guard, normalize_args
 
 if __name__ == "__main__":
+    sys.argv[1:] = normalize_args(sys.argv[1:])
     # argparse stops collecting overrides at a flag: move -m/--multirun in front of them
     flags = [a for a in sys.argv[1:] if a in ("-m", "--multirun")]
     sys.argv[1:] = flags + [a for a in sys.argv[1:] if a not in ("-m", "--multirun")]

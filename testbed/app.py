@@ -68,6 +68,11 @@ def main(cfg: DictConfig) -> float | None:
     if not exp.pair.name or exp.pair.name == "+":
         exp.pair.name = hc.runtime.choices.get("pair", "")
     run_dir = Path(hc.runtime.output_dir)
+    if exp.calibrate:  # `+calibrate`: write the latency profile instead of a run
+        from real.calibrate import calibrate
+
+        calibrate(exp, run_dir)
+        return None
     try:
         result = run_backend(exp)
     except Exception as e:  # a user-actionable setup error: one line, exit 2, nothing written

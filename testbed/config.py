@@ -145,6 +145,7 @@ class SimConfig:
     c: float = 0.05  # analytic: draft forward / target forward
     t_target_ms: float = 25.0  # analytic: one target forward (all stages together)
     profile_path: str | None = None  # profile: latency tables written by +calibrate
+    profile_rescale: bool = False  # profile + acceptance=trace: scale to the trace runs' round times
 
 
 @dataclass
@@ -195,6 +196,7 @@ class ExperimentConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     real: RealConfig = field(default_factory=RealConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    calibrate: bool = False  # backend=real: measure the `profile` latency tables (real/calibrate.py)
 
 
 def default_gpus(role: str, schedule: str, gpus_per_node: int) -> int:
@@ -379,6 +381,9 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError("schedule", s.name + (" (tree)" if s.tree else ""),
                           "ar or sync (without tree) with backend=real; async, decentralized and "
                           "trees run on backend=sim")
+    if exp.calibrate and exp.backend != "real":
+        raise ConfigError("calibrate", exp.calibrate, "false with backend=sim (calibration measures "
+                          "this machine: python -m testbed backend=real +calibrate)")
     _choice("real.dtype", exp.real.dtype, ("fp32", "bf16", "fp16"))
     _int_range("real.threads", exp.real.threads, 0, 1024)
     return exp

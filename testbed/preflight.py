@@ -79,7 +79,10 @@ def _compose(overrides: list[str]):  # type: ignore[no-untyped-def]
 
 
 def _check(overrides: list[str]) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     cfg = _compose(overrides)
+    HydraConfig.instance().set_config(cfg)  # values may use ${hydra:...} (validate: sweep dir)
     try:
         validate(to_experiment(cfg))
     except ConfigError as e:
@@ -122,6 +125,18 @@ def preflight(args: list[str]) -> None:
             if n >= MAX_JOBS_CHECKED:
                 break
             _check(plain + list(combo))
+
+
+def normalize_args(args: list[str]) -> list[str]:
+    """`+calibrate` (a flag) -> `calibrate=true`; `+calibrate=X` -> `calibrate=X` (a schema key)."""
+    out = []
+    for a in args:
+        if a in ("+calibrate", "calibrate", "++calibrate"):
+            a = "calibrate=true"
+        elif a.startswith(("+calibrate=", "++calibrate=")):
+            a = a.lstrip("+")
+        out.append(a)
+    return out
 
 
 def main_guard(args: list[str]) -> None:

@@ -39,20 +39,23 @@ def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     while generated < n_max:
         gamma = policy.next_gamma()
         s = env.now
-        draft_s = forward("draft", pending, seq_len - pending)
-        for i in range(1, gamma):
-            draft_s += forward("draft", 1, seq_len + i - 1)
-        target_s = forward("target", gamma + 1, seq_len - 1)
-        yield timeout(draft_s + target_s)
+        # the oracle decides first (it does not depend on time): a replayed n-gram draft may
+        # propose fewer than γ guesses, and the forwards below cost what was proposed
         outcome = seq.chain_round(gamma)
+        k = gamma if outcome.proposed is None else outcome.proposed
+        draft_s = forward("draft", pending, seq_len - pending)
+        for i in range(1, k):
+            draft_s += forward("draft", 1, seq_len + i - 1)
+        target_s = forward("target", k + 1, seq_len - 1)
+        yield timeout(draft_s + target_s)
         n = outcome.accepted
         emitted = min(n + 1, n_max - generated)
         out.extend(outcome.tokens[:emitted])
         generated += emitted
         seq_len += n + 1
-        pending = 2 if n == gamma else 1
-        policy.observe(gamma, n)
-        rec.round(rid, r, s, env.now, gamma, n + (n < gamma), n, emitted, gamma + 1, draft_s, target_s)
+        pending = 2 if k and n == k else 1
+        policy.observe(k, n)
+        rec.round(rid, r, s, env.now, k, n + (n < k), n, emitted, k + 1, draft_s, target_s)
         rec.span("draft", "draft", s, s + draft_s, rid, r)
         rec.span("target", "verify", s + draft_s, env.now, rid, r)
         r += 1

@@ -60,6 +60,7 @@ def markdown_table(df: pd.DataFrame, floatfmt: str = "{:.4g}") -> str:
 def _load_sections() -> None:
     import testbed.report.sections  # noqa: F401  (registers the built-in sections)
     import testbed.report.sections_sim  # noqa: F401  (GPU split, DSD, Gantt charts)
+    import testbed.report.sections_validate  # noqa: F401  (sim vs real: validation.csv, parity)
 
 
 def build_report(paths: Iterable[Path | str], out_dir: Path | str) -> Path:

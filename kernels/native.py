@@ -1,0 +1,259 @@
+"""Native weight-streaming GEMV kernels (kernels/gemv.cpp), compiled on first use, called via ctypes.
+
+Why: batch-1 decode reads every weight once per token, so its speed is the rate at which the
+GEMMs stream weights. On this project's CPU (AMD EPYC, AVX-512, one thread) oneDNN's matmul
+streams fp32 weights at ~25 GB/s and MKL's at ~16 GB/s, against ~39 GB/s of read-only
+bandwidth; the ~150-line kernel in gemv.cpp (R rows at a time, every weight loaded once and used
+for all T <= 8 tokens) gets much closer (benchmarks/bench_decode.py --ablate). It also fuses
+the residual add and SwiGLU, removing two passes and two Python-level ops per layer.
+
+Build: ``$CXX`` (else g++/c++) ``-O3 -march=native -fopenmp``, cached under
+``$XDG_CACHE_HOME/specbed`` (default ``~/.cache/specbed``) by a hash of the source, flags,
+compiler and CPU, so it is compiled once per machine (~2 s). No compiler, a failed build or
+``SPECBED_NATIVE=0``: ``AVAILABLE`` is False and the registry keeps the oneDNN/PyTorch ops.
+The library links libgomp by soname, which PyTorch has already loaded, so both share one
+OpenMP runtime and the caller passes ``torch.get_num_threads()``.
+
+Only CPU, contiguous fp32 or bf16 tensors (weights and activations of one dtype) and at most 8
+tokens per call use the kernels; everything else (prefill, other dtypes/devices) falls back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+import weakref
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kernels import cpu
+
+SOURCE = Path(__file__).with_name("gemv.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+MAX_TOKENS = 8  # rows of x per call (kMaxT in gemv.cpp)
+_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _cpu_id() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        return "\n".join(line for line in info.splitlines()[:40]
+                         if line.startswith(("model name", "flags")))
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "specbed"
+
+
+def build() -> Path | None:
+    """Compile gemv.cpp (or reuse the cached library); None if no compiler or it fails."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None or not SOURCE.is_file():
+        return None
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_id()]).encode()).hexdigest()
+    lib = _cache_dir() / f"gemv-{key[:16]}.so"
+    if lib.is_file():
+        return lib
+    try:
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+            out = Path(tmp) / lib.name
+            proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)],
+                                  capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                warnings.warn(f"kernels.native: build failed, using oneDNN:\n{proc.stderr[-2000:]}",
+                              stacklevel=2)
+                return None
+            os.replace(out, lib)  # atomic: concurrent builders never see half a library
+    except (OSError, subprocess.SubprocessError) as exc:
+        warnings.warn(f"kernels.native: build failed ({exc}), using oneDNN", stacklevel=2)
+        return None
+    return lib
+
+
+class _LayerPtrs(ctypes.Structure):  # gemv.cpp: LayerPtrs
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("attn_norm", "wqkv", "wo", "ffn_norm", "w13", "w2", "k_cache", "v_cache")]
+
+
+class _LayerDims(ctypes.Structure):  # gemv.cpp: LayerDims
+    _fields_ = [*((name, ctypes.c_long) for name in
+                  ("dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq")),
+                ("dtype", ctypes.c_int), ("cache_dtype", ctypes.c_int), ("eps", ctypes.c_float)]
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get("SPECBED_NATIVE", "1") == "0":
+        return None
+    path = build()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        return None
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.sb_linear.argtypes = [i32, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
+    lib.sb_linear.restype = i32
+    lib.sb_swiglu.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, i32]
+    lib.sb_swiglu.restype = i32
+    lib.sb_layers.argtypes = [ctypes.POINTER(_LayerDims), ctypes.POINTER(_LayerPtrs), i32, ptr, ptr,
+                              ptr, ptr, ptr, i64, i64, i32]
+    lib.sb_layers.restype = i32
+    return lib
+
+
+_LIB = _load()
+
+
+def _usable(x: Tensor, weight: Tensor) -> bool:
+    # no autograd through ctypes: anything that needs gradients takes the PyTorch ops
+    return (x.device.type == "cpu" and x.dtype in _CODES and weight.dtype == x.dtype
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and weight.is_contiguous() and weight.dim() == 2
+            and x.numel() // x.shape[-1] <= MAX_TOKENS and x.shape[-1] == weight.shape[1])
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight.T; the native kernel for <= 8 tokens, else ``kernels.cpu.linear``."""
+    return linear_add(x, weight, None)
+
+
+def linear_add(x: Tensor, weight: Tensor, residual: Tensor | None) -> Tensor:
+    """x @ weight.T + residual (residual shaped like the output, or None)."""
+    if _LIB is None or not _usable(x, weight) or (residual is not None and residual.dtype != x.dtype):
+        y = cpu.linear(x, weight)
+        return y if residual is None else y.add_(residual)
+    x = x.contiguous()
+    n, k = weight.shape
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    res = None
+    if residual is not None:
+        res = residual.contiguous()
+        if res.shape != y.shape:
+            res = res.expand(y.shape).contiguous()
+        res = res.data_ptr()
+    _LIB.sb_linear(_CODES[x.dtype], x.data_ptr(), weight.data_ptr(), res, y.data_ptr(),
+                   x.numel() // k, n, k, torch.get_num_threads())
+    return y
+
+
+def swiglu_fused(x: Tensor, w_gate_up: Tensor) -> Tensor:
+    """silu(x @ gate.T) * (x @ up.T) with ``w_gate_up = [gate; up]`` in one pass over the weights."""
+    if _LIB is None or not _usable(x, w_gate_up):
+        return cpu.swiglu_fused(x, w_gate_up)
+    x = x.contiguous()
+    two_f, k = w_gate_up.shape
+    y = torch.empty(*x.shape[:-1], two_f // 2, dtype=x.dtype)
+    _LIB.sb_swiglu(_CODES[x.dtype], x.data_ptr(), w_gate_up.data_ptr(), y.data_ptr(),
+                   x.numel() // k, two_f // 2, k, torch.get_num_threads())
+    return y
+
+
+# Packed layer pointers: model -> {(lo, hi): (cache_epoch, tensors, their pointers, packed
+# pointers, dims)}, weak so that a dropped model frees its weights. Gathering the tensors walks
+# ~240 module attributes (~250 us); checking them is one data_ptr() each (~15 us), which also
+# catches weights or caches moved in place (``model.to(...)``, ``param.data = ...``);
+# ``Transformer.setup_cache`` bumps ``cache_epoch`` when it installs new cache modules.
+_PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_data_ptr = Tensor.data_ptr
+
+
+def _gather(model, lo: int, hi: int) -> list[Tensor] | None:  # model: real.model.Transformer
+    tensors: list[Tensor] = []
+    for layer in model.layers[lo:hi]:
+        att, ffn, cache = layer.attention, layer.feed_forward, layer.attention.kv_cache
+        if cache is None:
+            return None
+        tensors += (layer.attention_norm, att.wqkv, att.wo, layer.ffn_norm, ffn.w13, ffn.w2,
+                    cache.k_cache, cache.v_cache)
+    return tensors
+
+
+def _pack(model, lo: int, hi: int) -> tuple[object, _LayerDims] | None:
+    packs = _PACKS.setdefault(model, {})
+    epoch = getattr(model, "cache_epoch", -1)
+    hit = packs.get((lo, hi))
+    if hit is not None and hit[0] == epoch and tuple(map(_data_ptr, hit[1])) == hit[2]:
+        return hit[3], hit[4]
+    tensors = _gather(model, lo, hi)
+    if tensors is None:
+        return None
+    a, n = model.args, hi - lo
+    weights = [t for i, t in enumerate(tensors) if i % 8 < 6]
+    caches = [t for i, t in enumerate(tensors) if i % 8 >= 6]
+    dtype, cache_dtype = weights[0].dtype, caches[0].dtype
+    if (dtype not in _CODES or cache_dtype not in _CODES or a.head_dim > 512
+            or any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" for t in weights)
+            or any(c.dtype != cache_dtype or not c.is_contiguous() or c.device.type != "cpu" for c in caches)):
+        return None
+    ptrs = tuple(map(_data_ptr, tensors))
+    packed = (_LayerPtrs * n)(*(_LayerPtrs(*ptrs[8 * i:8 * i + 8]) for i in range(n)))
+    dims = _LayerDims(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim,
+                      caches[0].shape[2], _CODES[dtype], _CODES[cache_dtype], a.norm_eps)
+    packs[(lo, hi)] = (epoch, tensors, ptrs, packed, dims)
+    return packed, dims
+
+
+def decode_layers(model, lo: int, hi: int, h: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
+                  mask: Tensor | None, kv_len: int) -> Tensor | None:
+    """Layers ``[lo, hi)`` of ``model`` (a real.model.Transformer) on ``h [1, T<=8, dim]`` in one
+    native call, or None when this case is not covered (the model then runs op by op).
+    Arguments as in ``Transformer.forward_layers`` after it resolved positions and the mask."""
+    if _LIB is None or hi <= lo or h.device.type != "cpu" or h.dim() != 3 or h.shape[0] != 1:
+        return None
+    if torch.is_grad_enabled() and (h.requires_grad or model.norm.requires_grad):
+        return None  # no autograd through ctypes
+    t = h.shape[1]
+    if t > MAX_TOKENS or h.dtype not in _CODES or cos.dtype != h.dtype:
+        return None
+    packed = _pack(model, lo, hi)
+    if packed is None or _CODES[h.dtype] != packed[1].dtype:
+        return None
+    layers, dims = packed
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.shape[-2:] != (t, kv_len) or mask.numel() != t * kv_len:
+            return None
+        mask = mask.reshape(t, kv_len).contiguous()
+    out = h.clone(memory_format=torch.contiguous_format)  # updated in place; the caller keeps h
+    slots = pos.to(torch.long).contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    rc = _LIB.sb_layers(ctypes.byref(dims), layers, hi - lo, out.data_ptr(), slots.data_ptr(),
+                        cos.data_ptr(), sin.data_ptr(), None if mask is None else mask.data_ptr(),
+                        kv_len, t, torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+def _probe() -> bool:
+    # Trust the library only if it agrees with F.linear here (fp32 and bf16, 1 and 3 tokens).
+    if _LIB is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 70, generator=gen)
+    for t in (1, 3):
+        x, r = torch.randn(1, t, 70, generator=gen), torch.randn(1, t, 37, generator=gen)
+        ok = torch.allclose(linear_add(x, w, r), x @ w.T + r, atol=1e-4, rtol=1e-4)
+        ok = ok and torch.allclose(linear(x.bfloat16(), w.bfloat16()).float(),
+                                   x.bfloat16().float() @ w.bfloat16().float().T, atol=0.1, rtol=0.02)
+        if not ok:
+            warnings.warn("kernels.native: results disagree with F.linear; not used", stacklevel=2)
+            return False
+    return True
+
+
+AVAILABLE: bool = _probe()

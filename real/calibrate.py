@@ -1,0 +1,487 @@
+"""`python -m testbed backend=real +calibrate`: measure the latency tables of `sim.cost_model=profile`.
+
+What is timed is what the real engine calls, at the experiment's real.threads and real.dtype,
+for greedy (temperature 0: argmax) and sampled (softmax + draw over the vocabulary) decoding:
+
+- target: ``TargetRunner.probs`` over k = 1..32 tokens at several context lengths (the cached
+  tokens before them), Algorithm 1 (``speculative_step``) per k, and prefill per prompt length;
+- every available draft (the pair's, and every model preset that can draft for this target:
+  early-exit layers, prompt lookup, small models whose weights exist): one forward + the pick
+  of its guess at k = 1..4 tokens and the same contexts, its prefill, or for prompt lookup the
+  whole ``propose`` per context length;
+- messages between two worker processes (torch.distributed gloo on loopback): one-way time
+  for a few sizes and its α–β fit (latency + bytes / bandwidth).
+
+Every probe is timed once per pass, passes interleave all probes in random order, and a point
+is the median over passes (a burst of load from a neighbour spoils one sample of many probes,
+not all samples of one). Forward tables are then smoothed robustly — per k a Theil–Sen line in
+the context length (attention cost is linear in it), then non-decreasing in k (pool adjacent
+violators) — and the raw medians are kept beside them. The profile is
+written atomically to reports/profiles/<hardware>.json (or sim.profile_path) and copied into
+the run directory. Measurements made while other processes load the CPU are noisy: the profile
+records the load average before and after, and calibration can be rerun in a few minutes.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import inspect
+import os
+import platform
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from testbed.config import ExperimentConfig, ModelConfig
+
+SCHEMA = 1
+TEMPERATURES = {"greedy": 0.0, "sample": 1.0}
+
+
+@dataclass
+class Grid:
+    target_k: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32])
+    draft_k: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    context: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])
+    prompt_len: list[int] = field(default_factory=lambda: [16, 64, 128, 256, 512])  # beyond: linear
+    gammas: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # n-gram propose
+    repeats: int = 5  # interleaved passes over every probe; the median is kept
+    message_bytes: list[int] = field(default_factory=lambda: [4, 1024, 16384, 262144, 1048576, 4194304])
+    message_repeats: int = 20
+
+    @classmethod
+    def quick(cls) -> Grid:
+        """A tiny grid for tests."""
+        return cls(target_k=[1, 2, 4], draft_k=[1, 2], context=[16, 48], prompt_len=[8, 32],
+                   gammas=[1, 4], repeats=2, message_bytes=[], message_repeats=0)
+
+
+class Probes:
+    """Timed calls, measured in interleaved passes: every pass times every probe once, in a
+    fresh random order, and a probe's value is its median over passes. A burst of load from
+    another process (seconds long on a shared machine) then spoils one sample of many probes
+    instead of every sample of a few."""
+
+    def __init__(self) -> None:
+        self.fns: dict[tuple, Callable[[], Any]] = {}
+        self.samples: dict[tuple, list[float]] = {}
+
+    def add(self, key: tuple, fn: Callable[[], Any]) -> None:
+        self.fns[key] = fn
+
+    def run(self, passes: int, seed: int = 0, log: Callable[[str], None] | None = None) -> None:
+        import random
+
+        keys = list(self.fns)
+        for k in keys:  # warm-up (allocations, first-touch)
+            self.fns[k]()
+        rng = random.Random(seed)
+        for i in range(passes):
+            rng.shuffle(keys)
+            for k in keys:
+                t = time.perf_counter()
+                self.fns[k]()
+                self.samples.setdefault(k, []).append(time.perf_counter() - t)
+            if log is not None:
+                log(f"pass {i + 1}/{passes} done (load {load_average()})")
+
+    def value(self, key: tuple) -> float:
+        return statistics.median(self.samples[key])
+
+
+def isotonic(values: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators): a forward over more tokens is
+    never cheaper, so a decrease is noise; unlike a running maximum, one outlier is averaged
+    with its neighbours instead of raising everything after it."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, w1), (m2, w2) = blocks[-2], blocks[-1]
+            blocks[-2:] = [[(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2]]
+    out: list[float] = []
+    for m, w in blocks:
+        out += [m] * int(w)
+    return out
+
+
+def theil_sen(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Robust line y = a + b·x: median of pairwise slopes, median intercept."""
+    if len(xs) < 2:
+        return (ys[0] if ys else 0.0), 0.0
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
+              if xs[j] != xs[i]]
+    b = statistics.median(slopes)
+    a = statistics.median([y - b * x for x, y in zip(xs, ys)])
+    return a, b
+
+
+def smooth_table(raw: list[list[float]], context: list[int]) -> list[list[float]]:
+    """raw[context][k] -> per k a robust line in context (attention is linear in the cache
+    length), non-negative, then non-decreasing in k per context."""
+    cols = list(zip(*raw))
+    fitted_cols = []
+    for col in cols:
+        a, b = theil_sen([float(c) for c in context], list(col))
+        b = max(b, 0.0)
+        fitted_cols.append([max(a + b * c, 1e-7) for c in context])
+    rows = [list(r) for r in zip(*fitted_cols)]
+    return [isotonic(r) for r in rows]
+
+
+# ----------------------------------------------------------------------------- machine facts
+def machine_facts() -> dict[str, Any]:
+    import psutil
+
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    freq = psutil.cpu_freq()
+    return {"platform": platform.platform(), "machine": platform.machine(), "cpu": model,
+            "python": platform.python_version(), "cpus_logical": psutil.cpu_count(),
+            "cpus_physical": psutil.cpu_count(logical=False),
+            "cpu_mhz": freq.current if freq else None,
+            "memory_gb": round(psutil.virtual_memory().total / 2**30, 2),
+            "hostname": platform.node()}
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+# ------------------------------------------------------------------------------------ models
+def _draft_presets(target: ModelConfig) -> list[ModelConfig]:
+    """Every model preset that can draft for `target` on this machine."""
+    from omegaconf import OmegaConf
+
+    from real.drafts import resolve_path
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "model"
+    out = []
+    for f in sorted(conf.glob("*.yaml")):
+        m = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(f)))
+        assert isinstance(m, ModelConfig)
+        if m.name == target.name:
+            continue
+        if m.kind == "ngram":
+            out.append(m)
+        elif m.kind == "early_exit":
+            if 1 <= m.exit_layer < target.layers and (m.tokenizer or target.tokenizer) == target.tokenizer:
+                out.append(m)
+        elif m.tokenizer and m.tokenizer == target.tokenizer and m.path and resolve_path(m.path).exists():
+            out.append(m)
+    return out
+
+
+def drafts_to_measure(exp: ExperimentConfig) -> list[ModelConfig]:
+    """The pair's draft first (when it can run here), then every other available draft."""
+    from real.drafts import resolve_path
+
+    found = {m.name: m for m in _draft_presets(exp.pair.target)}
+    d = exp.pair.draft
+    runnable = d.kind != "transformer" or (d.path is not None and resolve_path(d.path).exists())
+    if d.name and d.name not in found and runnable:
+        found = {d.name: d, **found}
+    return list(found.values())
+
+
+def _make_draft(exp: ExperimentConfig, draft: ModelConfig, target: Any, tokenizer: Any, params: Any) -> Any:
+    from real import engine
+
+    e = copy.deepcopy(exp)
+    e.pair.draft = draft
+    e.schedule.name = "sync"
+    n_args = len(inspect.signature(engine.make_draft).parameters)
+    args = (e, target, tokenizer, params)[:n_args]
+    return engine.make_draft(*args)
+
+
+def _pick(greedy: bool, gen: torch.Generator) -> Callable[[torch.Tensor], int]:
+    from testbed.spec.sampling import sample
+
+    if greedy:
+        return lambda q: int(q.argmax())
+    return lambda q: sample(q, gen)
+
+
+def _tokens(n: int, vocab: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(vocab, (n,), generator=gen).tolist()
+
+
+def add_target_probes(pr: Probes, model: Any, grid: Grid) -> Callable[[], dict[str, Any]]:
+    """Register the target's probes; returns the function that builds its table afterwards."""
+    from real.runners import TargetRunner
+    from testbed.spec.sampling import SamplingParams, standardize
+    from testbed.spec.speculative import speculative_step
+
+    vocab = model.args.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    need = max(max(grid.context) + max(grid.target_k), max(grid.prompt_len)) + 2
+    if model.max_seq < need:
+        model.setup_cache(need)
+    for cls, temp in TEMPERATURES.items():
+        runner = TargetRunner(model, SamplingParams(temperature=temp))
+        params = SamplingParams(temperature=temp)
+        for c in grid.context:
+            for k in grid.target_k:
+                toks = _tokens(k, vocab, gen)
+                pr.add(("target", cls, k, c), lambda r=runner, toks=toks, c=c: r.probs(toks, c))
+        for k in grid.target_k:  # Algorithm 1 over k-1 guesses, realistic p and q
+            p = standardize(torch.randn(k, vocab, generator=gen), params)
+            q = standardize(torch.randn(k - 1, vocab, generator=gen), params)
+            guesses = q.argmax(dim=-1) if k > 1 else torch.zeros(0, dtype=torch.long)
+            pr.add(("accept", cls, k), lambda p=p, q=q, g=guesses: speculative_step(p, q, g, gen))
+        # `ar` picks its token from p directly (argmax, or one draw) instead of Algorithm 1
+        p1 = standardize(torch.randn(vocab, generator=gen), params)
+        pick_fn = _pick(temp == 0.0, gen)
+        pr.add(("pick", cls), lambda p1=p1, f=pick_fn: f(p1))
+    runner = TargetRunner(model, SamplingParams())
+    for n in grid.prompt_len:
+        ids = _tokens(n, vocab, gen)
+        pr.add(("prefill", n), lambda ids=ids: runner.prefill(ids))
+
+    def build() -> dict[str, Any]:
+        forward, accept, pick = {}, {}, {}
+        for cls in TEMPERATURES:
+            raw = [[pr.value(("target", cls, k, c)) for k in grid.target_k] for c in grid.context]
+            forward[cls] = {"k": grid.target_k, "context": grid.context,
+                            "seconds": smooth_table(raw, grid.context), "raw": raw}
+            acc = [pr.value(("accept", cls, k)) for k in grid.target_k]
+            accept[cls] = {"k": grid.target_k, "seconds": isotonic(acc), "raw": acc}
+            pick[cls] = pr.value(("pick", cls))
+        pf = [pr.value(("prefill", n)) for n in grid.prompt_len]
+        return {"kind": "transformer", "role": "target", "layers": model.args.n_layers,
+                "forward": forward, "accept": accept, "pick": pick,
+                "prefill": {"prompt_len": grid.prompt_len, "seconds": isotonic(pf), "raw": pf}}
+    return build
+
+
+def add_draft_probes(pr: Probes, cfg: ModelConfig, vocab: int, grid: Grid, prompt: list[int],
+                     make: Callable[[float], Any]) -> Callable[[], dict[str, Any]]:
+    name = cfg.name
+    gen = torch.Generator().manual_seed(1)
+    if cfg.kind == "ngram":
+        draft = make(0.0)
+        for c in grid.context:
+            ids = (prompt * (c // max(1, len(prompt)) + 1))[:c]
+            for g in grid.gammas:
+                pr.add((name, "propose", c, g), lambda ids=ids, g=g: draft.propose(ids, g, gen))
+
+        def build_ngram() -> dict[str, Any]:
+            rows = [statistics.median(pr.value((name, "propose", c, g)) for g in grid.gammas)
+                    for c in grid.context]
+            table = {"context": grid.context, "seconds": isotonic(rows), "raw": rows}
+            # q is one-hot whatever the temperature: one table serves both classes
+            return {"kind": "ngram", "role": "draft", "propose": {cls: table for cls in TEMPERATURES}}
+        return build_ngram
+    for cls, temp in TEMPERATURES.items():
+        d = make(temp)
+        model = getattr(d, "model", None)
+        model = getattr(d, "target", None) if model is None else model
+        need = max(max(grid.context) + max(grid.draft_k), max(grid.prompt_len)) + 2
+        if model is not None and model.max_seq < need:
+            model.setup_cache(need)
+        pick = _pick(temp == 0.0, gen)
+        for c in grid.context:
+            for k in grid.draft_k:
+                toks = _tokens(k, vocab, gen)
+                pr.add((name, cls, k, c), lambda d=d, toks=toks, c=c, f=pick: f(d.forward_probs(toks, c)))
+    if cfg.kind == "transformer":  # an early-exit draft shares the target's prefill
+        d0 = make(0.0)
+        for n in grid.prompt_len:
+            ids = _tokens(n, vocab, gen)
+            pr.add((name, "prefill", n), lambda ids=ids: d0.start(ids))
+
+    def build() -> dict[str, Any]:
+        forward = {}
+        for cls in TEMPERATURES:
+            raw = [[pr.value((name, cls, k, c)) for k in grid.draft_k] for c in grid.context]
+            forward[cls] = {"k": grid.draft_k, "context": grid.context,
+                            "seconds": smooth_table(raw, grid.context), "raw": raw}
+        out: dict[str, Any] = {"kind": cfg.kind, "role": "draft", "forward": forward,
+                               "layers": cfg.exit_layer if cfg.kind == "early_exit" else cfg.layers}
+        if cfg.kind == "transformer":
+            pf = [pr.value((name, "prefill", n)) for n in grid.prompt_len]
+            out["prefill"] = {"prompt_len": grid.prompt_len, "seconds": isotonic(pf), "raw": pf}
+        return out
+    return build
+
+
+# ---------------------------------------------------------------------------------- messages
+def _pingpong(rank: int, port: int, sizes: list[int], repeats: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        results = {}
+        for size in sizes:
+            buf = torch.zeros(max(1, size // 4), dtype=torch.float32)
+            times = []
+            for i in range(repeats + 2):
+                dist.barrier()
+                t = time.perf_counter()
+                if rank == 0:
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                else:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+                if i >= 2:
+                    times.append((time.perf_counter() - t) / 2)  # one way
+            results[size] = statistics.median(times)
+        if rank == 0:
+            out.put(results)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def measure_messages(sizes: list[int], repeats: int, timeout_s: float = 120.0) -> dict[str, Any]:
+    """One-way message time between two processes over gloo/loopback and its α–β fit."""
+    import numpy as np
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_pingpong, args=(r, port, sizes, repeats, q), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        res = q.get(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    xs = np.array(sorted(res), dtype=float)
+    ys = np.array([res[s] for s in sorted(res)])
+    # relative weights: the small messages (latency-bound) matter as much as the large ones
+    beta, alpha = np.polyfit(xs, ys, 1, w=1.0 / ys) if len(xs) > 1 else (0.0, float(ys[0]))
+    return {"transport": "torch.distributed gloo, 127.0.0.1", "bytes": [int(x) for x in xs],
+            "seconds": [float(y) for y in ys], "alpha_s": float(max(alpha, 0.0)),
+            "beta_s_per_byte": float(max(beta, 0.0)),
+            "bandwidth_gbps": float(1e-9 / beta) if beta > 0 else None}
+
+
+# --------------------------------------------------------------------------------------- run
+def profile_path(exp: ExperimentConfig) -> Path:
+    from sim.cost_profile import default_profile_path, resolve_profile_path
+
+    return resolve_profile_path(exp) if exp.sim.profile_path else default_profile_path(exp.hardware.name)
+
+
+def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | None = None,
+              log: Callable[[str], None] = print, messages: bool = True,
+              out_path: Path | None = None) -> Path:
+    """Measure and write the profile; returns its path."""
+    from real.drafts import resolve_path
+    from real.weights import load_model
+    from testbed.results import write_json
+    from testbed.spec.sampling import SamplingParams
+
+    grid = grid or Grid()
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    started = time.perf_counter()
+    load_before = load_average()
+    old_threads = torch.get_num_threads()
+    if exp.real.threads:
+        torch.set_num_threads(exp.real.threads)
+    try:
+        with torch.inference_mode():
+            t = exp.pair.target
+            target, tokenizer = load_model(None if t.path is None else resolve_path(t.path),
+                                           dtype=dtypes[exp.real.dtype], max_seq=64)
+            log(f"calibrating {t.name} on {exp.hardware.name}: {torch.get_num_threads()} threads, {exp.real.dtype}")
+            pr = Probes()
+            builders = {t.name: add_target_probes(pr, target, grid)}
+            prompt = _sample_prompt(tokenizer)
+            for d in drafts_to_measure(exp):
+                try:
+                    def make(temp: float, d: ModelConfig = d) -> Any:
+                        return _make_draft(exp, d, target, tokenizer, SamplingParams(temperature=temp))
+                    builders[d.name] = add_draft_probes(pr, d, target.args.vocab_size, grid, prompt, make)
+                except Exception as e:  # noqa: BLE001 - one unusable draft must not lose the rest
+                    log(f"draft {d.name}: skipped ({type(e).__name__}: {e})")
+            log(f"{len(pr.fns)} probes x {grid.repeats} interleaved passes; models: {', '.join(builders)}")
+            pr.run(grid.repeats, log=log)
+            models = {name: build() for name, build in builders.items()}
+            _log_tables(models, log)
+            threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old_threads)
+    links = {}
+    if messages and grid.message_bytes:
+        try:
+            links["gloo_loopback"] = measure_messages(grid.message_bytes, grid.message_repeats)
+            lk = links["gloo_loopback"]
+            log(f"messages (gloo loopback): α={1e6 * lk['alpha_s']:.1f} µs, "
+                f"{lk['bandwidth_gbps'] or float('inf'):.2f} GB/s")
+        except Exception as e:  # noqa: BLE001 - the forward tables are still useful
+            log(f"messages: skipped ({type(e).__name__}: {e})")
+    profile = {
+        "schema": SCHEMA, "kind": "testbed-latency-profile", "hardware": exp.hardware.name,
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine_facts(), "torch": torch.__version__, "threads": threads,
+        "dtype": exp.real.dtype, "device": exp.real.device, "statistic": "median",
+        "repeats": grid.repeats, "load_average": {"before": load_before, "after": load_average()},
+        "calibration_s": round(time.perf_counter() - started, 1),
+        "models": models, "links": links,
+    }
+    path = out_path or profile_path(exp)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, profile)
+    if run_dir is not None:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, Path(run_dir) / "profile.json")
+    log(f"profile: {path} ({profile['calibration_s']} s)")
+    return path
+
+
+def _log_tables(models: dict[str, Any], log: Callable[[str], None]) -> None:
+    for name, m in models.items():
+        if "forward" in m:
+            for cls, t in m["forward"].items():
+                for c, row in zip(t["context"], t["seconds"]):
+                    log(f"{name} {cls} context={c}: " + " ".join(f"k{k}={1e3 * v:.1f}" for k, v in zip(t["k"], row)) + " ms")
+        if "propose" in m:
+            t = m["propose"]["greedy"]
+            log(f"{name} propose: " + " ".join(f"c{c}={1e6 * v:.0f}" for c, v in zip(t["context"], t["seconds"])) + " µs")
+        if "prefill" in m:
+            t = m["prefill"]
+            log(f"{name} prefill: " + " ".join(f"{n}={1e3 * v:.0f}" for n, v in zip(t["prompt_len"], t["seconds"])) + " ms")
+
+
+def _sample_prompt(tokenizer: Any) -> list[int]:
+    """Real token ids for the n-gram lookup (its cost depends on how soon a match is found)."""
+    try:
+        from testbed.workloads import load_prompts
+
+        text = "\n".join(p.text for p in load_prompts("humaneval")[:4])
+        return list(tokenizer.encode(text))
+    except Exception:  # noqa: BLE001 - any text will do
+        return list(range(1000, 1400))

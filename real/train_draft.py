@@ -1,0 +1,581 @@
+"""Train a small draft for the bundled SmolLM2-135M-Instruct target by distillation (issue 5).
+
+    python -m real.train_draft                        # default: conf/train_draft.yaml
+    python -m real.train_draft steps=50 out=/tmp/d threads=1
+
+Two phases, both resumable (rerun the same command after an interruption):
+
+1. Teacher data (cached under ``work_dir/data``, one file per batch, reused when present): the
+   target's greedy and sampled (T=1) continuations of calibration prompts (``calibrate`` split
+   of humaneval, mtbench and alpaca; the ``holdout`` split is never read) and of function
+   headers+docstrings cut from the Python standard library, plus teacher-forced chunks of
+   stdlib source. Every position stores the target's top-k log-probabilities.
+2. Distillation of a tiny Llama (tied embeddings initialised by a PCA of the target's) with the
+   KL to the target's top-k distribution (the tail mass as one extra bucket). A checkpoint
+   (model, optimizer, RNG, step = data position) is written every few minutes; the data order
+   is a pure function of (seed, step), so a resumed run reproduces an uninterrupted one.
+
+The result is exported as a plain HF LlamaForCausalLM directory (``out``) that both
+``real.weights.load_model`` and transformers' ``AutoModelForCausalLM`` load.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import random
+import sysconfig
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def repo_path(p: str | Path) -> Path:
+    """Relative paths are relative to the repository root, not the CWD."""
+    p = Path(p).expanduser()
+    return p if p.is_absolute() else ROOT / p
+
+
+# ------------------------------------------------------------------------------ the draft
+@dataclass
+class DraftArch:
+    dim: int = 192
+    n_layers: int = 3
+    n_heads: int = 3
+    n_kv_heads: int = 3
+    ffn_dim: int = 1024
+    vocab_size: int = 49152
+    norm_eps: float = 1e-5
+    rope_theta: float = 100000.0
+    max_seq_len: int = 2048
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+class DraftBlock(nn.Module):
+    def __init__(self, a: DraftArch) -> None:
+        super().__init__()
+        hd = a.head_dim
+        self.input_layernorm = nn.Parameter(torch.ones(a.dim))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(a.dim))
+        self.q_proj = nn.Linear(a.dim, a.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(a.dim, a.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(a.dim, a.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(a.n_heads * hd, a.dim, bias=False)
+        self.gate_proj = nn.Linear(a.dim, a.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(a.dim, a.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(a.ffn_dim, a.dim, bias=False)
+        self.a = a
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        a, (b, t, _) = self.a, x.shape
+        h = _rms_norm(x, self.input_layernorm, a.norm_eps)
+        q = self.q_proj(h).view(b, t, a.n_heads, a.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=a.n_heads != a.n_kv_heads)
+        x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        h = _rms_norm(x, self.post_attention_layernorm, a.norm_eps)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DraftLM(nn.Module):
+    """Trainable Llama with tied embeddings (training only; inference uses real.model)."""
+
+    def __init__(self, a: DraftArch) -> None:
+        super().__init__()
+        self.a = a
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
+        self.layers = nn.ModuleList(DraftBlock(a) for _ in range(a.n_layers))
+        self.norm = nn.Parameter(torch.ones(a.dim))
+        inv = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float64) / a.head_dim))
+        ang = torch.outer(torch.arange(a.max_seq_len, dtype=torch.float64), inv)
+        ang = torch.cat([ang, ang], dim=-1)
+        self.register_buffer("cos", ang.cos().float(), persistent=False)
+        self.register_buffer("sin", ang.sin().float(), persistent=False)
+
+    def forward(self, tokens: Tensor, select: Tensor | None = None) -> Tensor:
+        """Logits ``[B, T, V]``, or ``[N, V]`` for the positions where ``select [B, T]`` is
+        true (the LM head dominates the cost: skip positions without a loss)."""
+        t = tokens.shape[1]
+        cos, sin = self.cos[:t], self.sin[:t]
+        h = self.embed_tokens(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        if select is not None:
+            h = h[select]
+        return F.linear(_rms_norm(h, self.norm, self.a.norm_eps), self.embed_tokens.weight)
+
+    def hf_state(self) -> dict[str, Tensor]:
+        """HF Llama tensor names (tied: no lm_head.weight)."""
+        out = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            out[p + "input_layernorm.weight"] = layer.input_layernorm
+            out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                out[p + f"self_attn.{n}.weight"] = getattr(layer, n).weight
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                out[p + f"mlp.{n}.weight"] = getattr(layer, n).weight
+        return {k: v.detach() for k, v in out.items()}
+
+
+def init_draft(a: DraftArch, target_embedding: Tensor | None, seed: int) -> DraftLM:
+    """Small random init; the embedding (= LM head) is the target's projected on its top-``dim``
+    principal directions, so the draft starts with the target's token geometry."""
+    torch.manual_seed(seed)
+    model = DraftLM(a)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(1.0 / math.sqrt(2 * a.n_layers))
+        if target_embedding is not None:
+            e = target_embedding.double()
+            e = e - e.mean(0, keepdim=True)
+            _, _, v = torch.linalg.svd(e[:: max(1, e.shape[0] // 16384)], full_matrices=False)
+            proj = e @ v[: a.dim].T  # [V, dim]
+            # unit-norm rows: logits start at a few units (not hundreds) after the final RMSNorm
+            model.embed_tokens.weight.copy_((proj / proj.std()).float() / math.sqrt(a.dim))
+    return model
+
+
+# ------------------------------------------------------------------------- teacher data
+def _atomic_save(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def stdlib_function_prompts(n: int, seed: int) -> list[str]:
+    """HumanEval-like completion prompts: a stdlib function's ``def`` line and docstring."""
+    out: list[str] = []
+    if n <= 0:
+        return out
+    for path in stdlib_files():
+        try:
+            src = path.read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = src.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or len(node.body) < 3:
+                continue
+            doc = node.body[0]
+            if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                    and isinstance(doc.value.value, str)):
+                continue
+            head = textwrap.dedent("\n".join(lines[node.lineno - 1: doc.end_lineno]))
+            if 40 <= len(head) <= 1500:
+                out.append(head + "\n")
+    random.Random(seed).shuffle(out)
+    return out[:n]
+
+
+def stdlib_text(n_chars: int, seed: int) -> str:
+    files = stdlib_files()
+    random.Random(seed + 1).shuffle(files)
+    parts, total = [], 0
+    for f in files:
+        if total >= n_chars:
+            break
+        try:
+            s = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        parts.append(s[:20000])
+        total += len(parts[-1])
+    return "\n\n".join(parts)[:n_chars]
+
+
+def calibration_prompts(tok, max_per_workload: int | None) -> list[tuple[str, list[int]]]:
+    """(kind, token ids) of the calibrate split of every workload; the holdout is never used."""
+    from testbed.workloads import load_prompts, render, split_prompts
+
+    out = []
+    for name in ("humaneval", "mtbench", "alpaca"):
+        prompts = split_prompts(load_prompts(name), "calibrate")[:max_per_workload]
+        for p in prompts:
+            text = render(p, tok)
+            out.append((p.kind, tok.encode(text) if isinstance(text, str) else list(text)))
+    return out
+
+
+def _topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    v, i = lp.topk(k, dim=-1)
+    return i.to(torch.int32), v.to(torch.float16)
+
+
+@torch.inference_mode()
+def generate_batch(target, prompts: list[list[int]], max_new: int, temperature: float, k: int,
+                   eos: list[int], gen: torch.Generator) -> list[dict]:
+    """Batched (left-padded) generation with the target; records top-k log-probs everywhere.
+
+    Left padding shifts each row's RoPE positions by its pad count, which leaves attention
+    unchanged (scores depend on position differences); pad slots are masked out."""
+    b, lens = len(prompts), [len(p) for p in prompts]
+    L = max(lens)
+    pads = torch.tensor([L - n for n in lens])
+    x = torch.zeros(b, L, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        x[r, L - len(p):] = torch.tensor(p)
+    target.setup_cache(L + max_new, b)
+    s = torch.arange(L)
+    valid = s[None, :] >= pads[:, None]  # [B, S]
+    mask = (s[None, :] <= s[:, None])[None] & valid[:, None, :]
+    mask = (mask | torch.eye(L, dtype=torch.bool)[None])[:, None]  # pad rows see themselves
+    h = target.forward_layers(target.embed(x), 0, mask)
+    idx, lps, last = [], [], []
+    for r in range(b):
+        logits = target.head(h[r: r + 1, L - lens[r]:])[0]
+        i, v = _topk(logits, k)
+        idx.append([i])
+        lps.append([v])
+        last.append(logits[-1])
+    logits = torch.stack(last)
+    out_tokens: list[list[int]] = [[] for _ in range(b)]
+    done = torch.zeros(b, dtype=torch.bool)
+    eos_t = torch.tensor(eos)
+    for step in range(max_new):
+        if temperature == 0:
+            nxt = logits.argmax(-1)
+        else:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
+        for r in range(b):
+            if not done[r]:
+                out_tokens[r].append(int(nxt[r]))
+        done |= torch.isin(nxt, eos_t)
+        if bool(done.all()) or step == max_new - 1:
+            break
+        pos = L + step
+        m = torch.cat([valid, torch.ones(b, step + 1, dtype=torch.bool)], 1)[:, None, None, :]
+        logits = target(nxt[:, None], pos, m)[:, 0]
+        i, v = _topk(logits, k)
+        for r in range(b):
+            if not done[r]:
+                idx[r].append(i[r: r + 1])
+                lps[r].append(v[r: r + 1])
+    seqs = []
+    for r in range(b):
+        n_gen = len(out_tokens[r])
+        # rows: prompt positions predict the next prompt token / the first generated token,
+        # then one row per generated token except the last
+        ii, vv = torch.cat(idx[r])[: lens[r] + n_gen - 1], torch.cat(lps[r])[: lens[r] + n_gen - 1]
+        seqs.append({"tokens": torch.tensor(prompts[r] + out_tokens[r], dtype=torch.int32),
+                     "idx": ii, "lp": vv, "n_prompt": lens[r], "kind": "gen"})
+    return seqs
+
+
+@torch.inference_mode()
+def teacher_force_batch(target, chunks: list[list[int]], k: int) -> list[dict]:
+    b, t = len(chunks), len(chunks[0])
+    target.setup_cache(t, b)
+    h = target.forward_layers(target.embed(torch.tensor(chunks)), 0)
+    seqs = []
+    for r in range(b):
+        i, v = _topk(target.head(h[r: r + 1, :-1])[0], k)
+        seqs.append({"tokens": torch.tensor(chunks[r], dtype=torch.int32), "idx": i, "lp": v,
+                     "n_prompt": 0, "kind": "raw"})
+    return seqs
+
+
+def data_jobs(cfg: DictConfig, tok) -> list[tuple[str, str, object]]:
+    """(shard name, kind, payload) for every teacher batch, in a fixed order."""
+    d = cfg.data
+    cap = d.max_prompts_per_workload
+    prompts = [ids[-d.max_prompt_tokens:] for _, ids in calibration_prompts(tok, cap)]
+    prompts += [tok.encode(p)[: d.max_prompt_tokens]
+                for p in stdlib_function_prompts(d.stdlib_functions, cfg.seed)]
+    prompts.sort(key=len)  # similar lengths per batch: little padding
+    jobs: list[tuple[str, str, object]] = []
+    for temp_name, temp, max_new in (("greedy", 0.0, d.max_new_tokens),
+                                     ("sampled", 1.0, d.max_new_tokens_sampled)):
+        if max_new <= 0:
+            continue
+        for j in range(0, len(prompts), d.gen_batch):
+            jobs.append((f"{temp_name}_{j // d.gen_batch:04d}", f"gen:{temp}:{max_new}",
+                         prompts[j: j + d.gen_batch]))
+    if d.raw_tokens > 0:
+        ids = tok.encode(stdlib_text(d.raw_tokens * 4, cfg.seed))[: d.raw_tokens]
+        c = d.raw_chunk
+        chunks = [ids[j: j + c] for j in range(0, len(ids) - c + 1, c)]
+        for j in range(0, len(chunks), d.raw_batch):
+            jobs.append((f"raw_{j // d.raw_batch:04d}", "raw", chunks[j: j + d.raw_batch]))
+    return jobs
+
+
+def build_teacher_data(cfg: DictConfig, data_dir: Path) -> list[Path]:
+    """Run every teacher batch whose shard is not on disk yet; return all shard paths."""
+    from tqdm import tqdm
+
+    from real.tokenizer import load_bundled_tokenizer
+    from real.weights import load_model
+
+    tok = load_bundled_tokenizer()
+    jobs = data_jobs(cfg, tok)
+    paths = [data_dir / shard_name(name, kind, payload, cfg) for name, kind, payload in jobs]
+    todo = [(n, kind, pl, p) for (n, kind, pl), p in zip(jobs, paths) if not p.is_file()]
+    if not todo:
+        return paths
+    target, _ = load_model(max_seq=cfg.data.max_prompt_tokens + cfg.data.max_new_tokens + 8)
+    bar = tqdm(todo, desc="teacher data", unit="batch", dynamic_ncols=True, mininterval=5)
+    for name, kind, payload, path in bar:
+        bar.set_postfix_str(name)
+        if kind == "raw":
+            seqs = teacher_force_batch(target, payload, cfg.data.topk)
+        else:
+            _, temp, max_new = kind.split(":")
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + hash_name(name))
+            seqs = generate_batch(target, payload, int(max_new), float(temp), cfg.data.topk,
+                                  tok.eos_token_ids, gen)
+        _atomic_save(seqs, path)
+    return paths
+
+
+def shard_name(name: str, kind: str, payload: object, cfg: DictConfig) -> str:
+    """File name of a teacher batch: its content hash makes a changed config regenerate the
+    batches it changes and reuse the rest (never a stale shard)."""
+    import hashlib
+
+    key = json.dumps([kind, payload, cfg.data.topk, cfg.seed], sort_keys=True)
+    return f"{name}_{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
+
+
+def hash_name(name: str) -> int:
+    return int.from_bytes(name.encode()[:8].ljust(8, b"\0"), "little") % 1_000_000_007
+
+
+# ------------------------------------------------------------------------------ packing
+@dataclass
+class Packed:
+    tokens: Tensor  # [N] int64
+    idx: Tensor  # [N, k] int64: teacher top-k ids for the token after position n
+    lp: Tensor  # [N, k] fp32 teacher log-probs
+    w: Tensor  # [N] loss weight (0 where no teacher row: last token of a document)
+
+
+def pack(paths: list[Path], cfg: DictConfig) -> Packed:
+    """All documents, shuffled by seed, concatenated into one stream."""
+    docs = [s for p in sorted(paths) for s in torch.load(p, weights_only=False)]
+    random.Random(cfg.seed).shuffle(docs)
+    k = cfg.data.topk
+    toks, idx, lp, w = [], [], [], []
+    for d in docs:
+        n = len(d["tokens"])
+        ww = torch.full((n,), cfg.train.raw_weight if d["kind"] == "raw" else 1.0)
+        ww[: max(0, d["n_prompt"] - 1)] *= cfg.train.prompt_weight  # rows predicting prompt tokens
+        ww[n - 1] = 0.0
+        toks.append(d["tokens"].long())
+        idx.append(torch.cat([d["idx"].long(), torch.zeros(1, k, dtype=torch.long)]))
+        lp.append(torch.cat([d["lp"].float(), torch.full((1, k), -30.0)]))
+        w.append(ww)
+    return Packed(torch.cat(toks), torch.cat(idx), torch.cat(lp), torch.cat(w))
+
+
+def batch_at(data: Packed, step: int, rows: int, seq_len: int, seed: int) -> tuple[Tensor, ...]:
+    """The batch of training step ``step``: a pure function of (data, step, seed), so a resumed
+    run reads exactly what an uninterrupted one would."""
+    n_rows = len(data.tokens) // seq_len
+    sel = []
+    for j in range(rows):
+        g = step * rows + j
+        epoch, off = divmod(g, n_rows)
+        perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        sel.append(int(perm[off]))
+    ix = torch.tensor(sel)[:, None] * seq_len + torch.arange(seq_len)[None]
+    return data.tokens[ix], data.idx[ix], data.lp[ix], data.w[ix]
+
+
+def distill_loss(logits: Tensor, idx: Tensor, lp: Tensor, w: Tensor) -> Tensor:
+    """Weighted KL(p || q) up to p's entropy, with p = the teacher's top-k probabilities plus
+    one bucket holding the rest of its mass (q's mass outside the top-k)."""
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    lq = logq.gather(-1, idx)
+    p = lp.exp()
+    p_tail = (1.0 - p.sum(-1)).clamp_min(0.0)
+    q_tail = (1.0 - lq.exp().sum(-1)).clamp_min(1e-6)
+    ce = -(p * lq).sum(-1) - p_tail * q_tail.log()
+    return (ce * w).sum() / w.sum().clamp_min(1e-6)
+
+
+def lr_at(step: int, cfg: DictConfig) -> float:
+    t = cfg.train
+    if step < t.warmup:
+        return t.lr * (step + 1) / t.warmup
+    frac = (step - t.warmup) / max(1, cfg.steps - t.warmup)
+    return t.lr * (t.min_lr_frac + (1 - t.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+# --------------------------------------------------------------------------------- export
+def export_hf(model: DraftLM, out: Path, dtype: torch.dtype = torch.float16) -> None:
+    """A plain HF LlamaForCausalLM directory with the target's tokenizer (from the GGUF)."""
+    from safetensors.torch import save_file
+
+    from real.tokenizer import load_bundled_tokenizer
+
+    a = model.a
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_bundled_tokenizer()
+    state = {k: v.to(dtype).contiguous() for k, v in model.hf_state().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    bos, eos = tok.bos_token_id, tok.eos_token_ids[0]
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": a.dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
+        "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "intermediate_size": a.ffn_dim,
+        "vocab_size": a.vocab_size, "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
+        "max_position_embeddings": a.max_seq_len, "tie_word_embeddings": True,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1,
+        "rope_scaling": None, "use_cache": True, "bos_token_id": bos, "eos_token_id": eos,
+        "pad_token_id": eos, "torch_dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}, indent=2) + "\n")
+    tok.backend.save(str(out / "tokenizer.json"))
+    name = tok.backend.id_to_token
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(bos),
+        "eos_token": name(eos), "pad_token": name(eos), "unk_token": name(0),
+        "add_bos_token": False, "model_max_length": 8192, "clean_up_tokenization_spaces": False,
+        "chat_template": tok.chat_template}, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": name(bos), "eos_token": name(eos), "pad_token": name(eos),
+         "unk_token": name(0)}, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------------- train
+def arch_from_cfg(cfg: DictConfig) -> DraftArch:
+    return DraftArch(**OmegaConf.to_container(cfg.arch, resolve=True))  # type: ignore[arg-type]
+
+
+def target_embedding() -> Tensor:
+    from real.weights import bundled_gguf_path, gguf_hf_state, open_gguf
+
+    reader = open_gguf(bundled_gguf_path())
+    from real.weights import gguf_args
+
+    return gguf_hf_state(reader, gguf_args(reader))["model.embed_tokens.weight"]
+
+
+def train(cfg: DictConfig) -> DraftLM:
+    """Both phases; returns the trained draft (also checkpointed and exported)."""
+    from tqdm import tqdm
+
+    torch.set_num_threads(int(cfg.threads))
+    work = repo_path(cfg.work_dir)
+    data_dir = repo_path(cfg.data_dir) if cfg.get("data_dir") else work / "data"
+    ckpt_path = work / "ckpt.pt"
+    t_start = time.time()
+    paths = build_teacher_data(cfg, data_dir)
+    data = pack(paths, cfg)
+    t_data = time.time() - t_start
+    a, t = arch_from_cfg(cfg), cfg.train
+    model = init_draft(a, target_embedding() if cfg.init_from_target else None, cfg.seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2]
+    other = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                             {"params": other, "weight_decay": 0.0}],
+                            lr=t.lr, betas=(0.9, 0.98), eps=1e-8)
+    step, elapsed = 0, 0.0
+    if ckpt_path.is_file():
+        ck = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        torch.set_rng_state(ck["rng"])
+        random.setstate(ck["py_rng"])
+        step, elapsed = ck["step"], ck.get("train_s", 0.0)
+        print(f"resumed from {ckpt_path} at step {step}")
+
+    def save() -> None:
+        _atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                      "rng": torch.get_rng_state(), "py_rng": random.getstate(),
+                      "train_s": elapsed + time.time() - t_seg,
+                      "config": OmegaConf.to_container(cfg, resolve=True)}, ckpt_path)
+
+    stop = cfg.steps if cfg.get("stop_after") is None else min(cfg.steps, int(cfg.stop_after))
+    t_seg, last_ckpt = time.time(), time.time()
+    model.train()
+    bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step", dynamic_ncols=True,
+               mininterval=5)
+    ema = None
+    while step < stop:
+        toks, idx, lp, w = batch_at(data, step, t.batch_rows, t.seq_len, cfg.seed)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        sel = w > 0
+        # bf16 matmuls (avx512_bf16: ~3x fp32 here); the loss itself is computed in fp32
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(t.bf16)):
+            logits = model(toks, sel)
+        loss = distill_loss(logits, idx[sel], lp[sel], w[sel])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        step += 1
+        val = float(loss.detach())
+        ema = val if ema is None else 0.95 * ema + 0.05 * val
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr_at(step - 1, cfg):.2e}")
+        if time.time() - last_ckpt > 60 * t.ckpt_minutes:
+            save()
+            last_ckpt = time.time()
+    bar.close()
+    save()
+    train_s = elapsed + time.time() - t_seg
+    if step >= cfg.steps:
+        export_hf(model, repo_path(cfg.out))
+        info = {"steps": step, "train_s": round(train_s, 1), "data_s_this_run": round(t_data, 1),
+                "positions": int((data.w > 0).sum()), "threads": int(cfg.threads),
+                "config": OmegaConf.to_container(cfg, resolve=True)}
+        (work / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
+        print(f"exported {repo_path(cfg.out)} after {step} steps ({train_s:.0f} s training)")
+    return model
+
+
+def main() -> None:
+    import hydra
+
+    @hydra.main(config_path=str(ROOT / "conf"), config_name="train_draft", version_base=None)
+    def _run(cfg: DictConfig) -> None:
+        train(cfg)
+
+    _run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""`sim.cost_model=profile`: forward latency interpolated in tables measured on this machine.
+
+`python -m testbed backend=real +calibrate` (real/calibrate.py) times the real backend's own
+calls — ``TargetRunner.probs`` for k = 1..32 tokens at several context lengths, each draft's
+forward plus its pick of a guess (the n-gram lookup for prompt-lookup drafts), the acceptance
+step (Algorithm 1) per k, prefill per prompt length — for greedy (temperature 0: argmax) and
+sampled (softmax over the vocabulary) decoding, and writes them to
+``reports/profiles/<hardware>.json`` (or ``sim.profile_path``).
+
+A target forward over k tokens costs ``forward[k, context] + accept[k]`` (a verification
+includes Algorithm 1; under `schedule=ar` it is ``+ pick``, the argmax or draw of the token); a draft forward costs
+``forward[k, context]`` including its pick; an n-gram draft's lookup is spread over the γ
+forwards the schedule asks for. Interpolation is bilinear on the measured grid (exact on grid
+points, monotone between two of them), linear extrapolation beyond it.
+
+``sim.profile_rescale=true`` with ``acceptance=trace``: the tables keep their shape in context
+but are scaled to the round times the trace's real runs recorded — per role, and for the target
+per k where enough rounds verified k tokens (on a shared machine the speed, and even the shape
+in k, drift between calibration and the runs; `+sweep=validate` uses this with the
+calibrate-split run of each grid point, never the held-out run it predicts).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from pathlib import Path
+from typing import Any
+
+from sim.cost import CostModel, Role, register
+from testbed.config import ConfigError, ExperimentConfig
+
+SCHEMA = 1
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE_DIR = ROOT / "reports" / "profiles"
+CALIBRATE_CMD = "python -m testbed backend=real +calibrate"
+MIN_ROUNDS = 5  # rescale: rounds of one k needed for a k of its own
+
+
+def default_profile_path(hardware: str) -> Path:
+    return PROFILE_DIR / f"{hardware}.json"
+
+
+def temperature_class(temperature: float) -> str:
+    """Greedy decoding takes an argmax; any temperature > 0 a softmax and a draw over V."""
+    return "greedy" if temperature == 0.0 else "sample"
+
+
+def interp1(x: float, xs: list[float], ys: list[float]) -> float:
+    """Piecewise-linear y(x) through (xs, ys) (xs increasing), linear beyond the ends."""
+    if len(xs) == 1:
+        return float(ys[0])
+    i = bisect.bisect_right(xs, x) - 1
+    i = min(max(i, 0), len(xs) - 2)
+    x0, x1 = xs[i], xs[i + 1]
+    w = (x - x0) / (x1 - x0)
+    return float(ys[i] + w * (ys[i + 1] - ys[i]))
+
+
+class Table2D:
+    """seconds[context index][k index] on the grid (k, context)."""
+
+    def __init__(self, node: dict[str, Any]) -> None:
+        self.k = [float(v) for v in node["k"]]
+        self.context = [float(v) for v in node["context"]]
+        self.seconds = [[float(v) for v in row] for row in node["seconds"]]
+        if len(self.seconds) != len(self.context) or any(len(r) != len(self.k) for r in self.seconds):
+            raise ValueError("profile table: seconds must be [len(context)][len(k)]")
+        self._cache: dict[tuple[int, int], float] = {}
+
+    def __call__(self, k: int, context: int) -> float:
+        key = (k, context)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        rows = [interp1(k, self.k, row) for row in self.seconds]
+        v = max(0.0, interp1(context, self.context, rows))
+        if len(self._cache) < 1 << 16:
+            self._cache[key] = v
+        return v
+
+
+class Table1D:
+    def __init__(self, node: dict[str, Any], x: str) -> None:
+        self.x = [float(v) for v in node[x]]
+        self.seconds = [float(v) for v in node["seconds"]]
+
+    def __call__(self, x: float) -> float:
+        return max(0.0, interp1(x, self.x, self.seconds))
+
+
+def load_profile(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError("sim.profile_path", str(path),
+                          f"an existing latency profile: none found; measure one with `{CALIBRATE_CMD}`")
+    try:
+        prof = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError("sim.profile_path", str(path), f"a readable JSON profile ({e}); "
+                          f"measure it again with `{CALIBRATE_CMD}`") from None
+    if prof.get("schema") != SCHEMA:
+        raise ConfigError("sim.profile_path", str(path), f"a profile of schema {SCHEMA} (found "
+                          f"{prof.get('schema')!r}); measure it again with `{CALIBRATE_CMD}`")
+    return prof
+
+
+def resolve_profile_path(exp: ExperimentConfig) -> Path:
+    if exp.sim.profile_path:
+        p = Path(exp.sim.profile_path).expanduser()
+        return p if p.is_absolute() or p.exists() else ROOT / p
+    return default_profile_path(exp.hardware.name)
+
+
+class ProfileCost(CostModel):
+    def __init__(self, exp: ExperimentConfig, profile: dict[str, Any] | None = None,
+                 path: Path | None = None) -> None:
+        self.path = path or resolve_profile_path(exp)
+        self.profile = profile if profile is not None else load_profile(self.path)
+        self.temp = temperature_class(exp.sampling.temperature)
+        self.gamma = max(1, exp.schedule.gamma)
+        self.names = {"target": exp.pair.target.name, "draft": exp.pair.draft.name}
+        self.kinds = {"target": exp.pair.target.kind, "draft": exp.pair.draft.kind}
+        self._forward: dict[str, Table2D | Table1D] = {}
+        self._accept: Table1D | None = None
+        self._pick = 0.0
+        self.ar = exp.schedule.name == "ar"
+        self._prefill: dict[str, Table1D | None] = {}
+        for role in ("target", "draft"):
+            if role == "draft" and exp.schedule.name == "ar":
+                continue
+            self._bind(role)
+        self.scale = {"target": 1.0, "draft": 1.0}
+        self.scale_k: dict[int, float] = {}  # target, per tokens verified
+        if exp.sim.profile_rescale and exp.acceptance.oracle == "trace" and exp.acceptance.trace_path:
+            from sim.oracle_trace import select_trace_runs
+
+            runs = select_trace_runs(Path(exp.acceptance.trace_path).expanduser(), exp)
+            self.fit_scale([d for d, s in runs if s.get("hardware") == exp.hardware.name
+                            and s.get("backend") == "real"])
+
+    def _model(self, role: str) -> dict[str, Any]:
+        models = self.profile.get("models", {})
+        name = self.names[role]
+        if name not in models:
+            raise ConfigError(f"pair.{role}", name,
+                              f"a model the profile {self.path} measured ({', '.join(sorted(models)) or 'none'}); "
+                              f"measure it with `{CALIBRATE_CMD} pair={self.names['target']}+{self.names['draft']}`")
+        return models[name]
+
+    def _by_temp(self, node: dict[str, Any]) -> dict[str, Any]:
+        # the other class is a better guess than nothing (it differs by one softmax over V)
+        return node.get(self.temp) or next(iter(node.values()))
+
+    def _bind(self, role: str) -> None:
+        m = self._model(role)
+        if m.get("kind") == "ngram":
+            self._forward[role] = Table1D(self._by_temp(m["propose"]), "context")
+        else:
+            self._forward[role] = Table2D(self._by_temp(m["forward"]))
+        if role == "target" and self.ar:  # `ar` picks from p (argmax or one draw)
+            pick = m.get("pick", {})
+            self._pick = float(pick.get(self.temp, next(iter(pick.values()), 0.0)))
+        elif role == "target":
+            self._accept = Table1D(self._by_temp(m["accept"]), "k")
+        pf = m.get("prefill")
+        self._prefill[role] = Table1D(pf, "prompt_len") if pf else None
+
+    def recorded_rounds(self, run_dir: Path) -> list[tuple[int, int, int, float, float, float, float]]:
+        """A real `sync` run's rounds with this model's times beside the recorded ones:
+        (request, drafted, accepted, recorded draft s, modelled draft s, recorded target s,
+        modelled target s) — contexts rebuilt from the prompt lengths as the schedule does."""
+        import pandas as pd
+
+        rounds = pd.read_parquet(run_dir / "rounds.parquet")
+        requests = pd.read_parquet(run_dir / "requests.parquet", columns=["request_id", "prompt_len"])
+        plen = dict(zip(requests["request_id"], requests["prompt_len"]))
+        out = []
+        for rid, g in rounds.sort_values(["request_id", "round"]).groupby("request_id"):
+            seq_len, pending = int(plen.get(rid, 0)), 1
+            for k, n, t_draft, t_target in zip(g["drafted"], g["accepted"], g["draft_s"], g["target_s"]):
+                k, n = int(k), int(n)
+                m_draft = 0.0
+                if "draft" in self._forward:  # not bound for `ar` (the baseline)
+                    m_draft = self.forward("draft", pending, seq_len - pending, _raw=True) + sum(
+                        self.forward("draft", 1, seq_len + i - 1, _raw=True) for i in range(1, k))
+                m_target = self.forward("target", k + 1, seq_len - 1, _raw=True)
+                out.append((int(rid), k, n, float(t_draft), m_draft, float(t_target), m_target))
+                seq_len += n + 1
+                pending = 2 if k and n == k else 1
+        return out
+
+    def fit_scale(self, run_dirs: list[Path]) -> None:
+        """Recorded time / modelled time over the `sync` rounds of real runs: per role, and for
+        the target also per k where at least MIN_ROUNDS rounds verified k tokens (the shape in
+        context is kept; the level, and the shape in k where observed, follow the machine as it
+        is now). Rounds more than 3x off the median ratio (a neighbour's burst) are left out."""
+        pairs: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for d in run_dirs:
+            for _, k, _, t_d, m_d, t_t, m_t in self.recorded_rounds(d):
+                for key, t, m in ((("draft", -1), t_d, m_d), (("target", -1), t_t, m_t),
+                                  (("target", k + 1), t_t, m_t)):
+                    if t > 0 and m > 0:
+                        pairs.setdefault(key, []).append((t, m))
+        for (role, k), ps in pairs.items():
+            mid = sorted(t / m for t, m in ps)[len(ps) // 2]
+            kept = [(t, m) for t, m in ps if mid / 3 <= t / m <= 3 * mid]
+            ratio = sum(t for t, _ in kept) / sum(m for _, m in kept)
+            if k < 0:
+                self.scale[role] = ratio
+            elif len(kept) >= MIN_ROUNDS:
+                self.scale_k[k] = ratio
+
+    def forward(self, role: Role, tokens: int, context: int,
+                layers: tuple[int, int] | None = None, _raw: bool = False) -> float:
+        t = self._forward_unscaled(role, tokens, context, layers)
+        if _raw:
+            return t
+        return t * (self.scale_k.get(tokens, self.scale["target"]) if role == "target" else self.scale[role])
+
+    def _forward_unscaled(self, role: Role, tokens: int, context: int,
+                          layers: tuple[int, int] | None) -> float:
+        table = self._forward[role]
+        if isinstance(table, Table1D):  # n-gram lookup: one per round, spread over γ calls
+            t = table(context) / self.gamma
+        else:
+            t = table(tokens, context)
+            if role == "target":
+                t += self._pick if self._accept is None else self._accept(tokens)
+        if layers is not None:
+            lo, hi = layers
+            t *= (hi - lo) / max(1, self.profile["models"][self.names[role]].get("layers", hi - lo))
+        return t
+
+    def prefill(self, role: Role, prompt_len: int) -> float:
+        table = self._prefill.get(role)
+        return 0.0 if table is None else table(prompt_len) * self.scale[role]
+
+    def decode_seconds(self, run_dir: Path) -> dict[int, float]:
+        """Modelled decode time per request of a recorded real run, with its own acceptance."""
+        out: dict[int, float] = {}
+        for rid, k, _, _, m_d, _, m_t in self.recorded_rounds(run_dir):
+            scale_t = self.scale_k.get(k + 1, self.scale["target"])
+            out[rid] = out.get(rid, 0.0) + m_d * self.scale["draft"] + m_t * scale_t
+        return out
+
+    @property
+    def link(self) -> dict[str, float] | None:
+        """α–β of messages between two worker processes (gloo on loopback), if measured."""
+        return self.profile.get("links", {}).get("gloo_loopback")
+
+
+@register("profile")
+def make_profile_cost(exp: ExperimentConfig) -> CostModel:
+    return ProfileCost(exp)

@@ -1,0 +1,96 @@
+"""Hydra callback for `+sweep=validate`: make sure a latency profile exists before any job runs.
+
+The simulator's `profile` cost model reads reports/profiles/<hardware>.json (real/calibrate.py
+writes it). When the sweep starts and the profile is missing, was measured with other threads
+or dtype, lacks a draft that can run here, or ``force`` is set, calibration runs first (a few
+minutes), in the sweep's process, so one command does everything.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from testbed.config import ExperimentConfig, to_experiment
+
+
+def profile_is_current(path: Path, exp: ExperimentConfig) -> tuple[bool, str]:
+    """Whether the profile at `path` serves `exp` (and why not)."""
+    if not path.exists():
+        return False, "no profile yet"
+    try:
+        prof = json.loads(path.read_text())
+    except ValueError:
+        return False, "unreadable profile"
+    from real.calibrate import SCHEMA, drafts_to_measure
+
+    if prof.get("schema") != SCHEMA:
+        return False, f"profile schema {prof.get('schema')} != {SCHEMA}"
+    if prof.get("dtype") != exp.real.dtype:
+        return False, f"profile dtype {prof.get('dtype')} != real.dtype={exp.real.dtype}"
+    if exp.real.threads and prof.get("threads") != exp.real.threads:
+        return False, f"profile threads {prof.get('threads')} != real.threads={exp.real.threads}"
+    missing = [m.name for m in [exp.pair.target, *drafts_to_measure(exp)] if m.name not in prof.get("models", {})]
+    if missing:
+        return False, f"profile lacks {', '.join(missing)}"
+    return True, "current"
+
+
+def swept_pairs(config: DictConfig) -> list[str]:
+    """The pairs a multirun will run: the command line's `pair=` if given, else the sweep's."""
+    for o in config.hydra.overrides.get("task", []):
+        if str(o).startswith("pair="):
+            return str(o).split("=", 1)[1].split(",")
+    value = (config.hydra.sweeper.get("params") or {}).get("pair")
+    return str(value).split(",") if value else []
+
+
+def missing_draft_weights(pairs: list[str]) -> list[str]:
+    """`pair=... : reason` for every pair whose draft model has no weights here."""
+    from omegaconf import OmegaConf
+
+    from real.drafts import resolve_path
+    from testbed.config import ModelConfig
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "model"
+    out = []
+    for pair in pairs:
+        draft = pair.strip().split("+", 1)[-1]
+        f = conf / f"{draft}.yaml"
+        if not f.exists():
+            continue  # preflight names unknown presets
+        m = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(f))
+        if m.kind == "transformer" and (m.path is None or not resolve_path(m.path).exists()):
+            out.append(f"pair={pair.strip()}: the draft's weights ({m.path}) are not here")
+    return out
+
+
+class EnsureProfile(Callback):
+    def __init__(self, force: bool = False) -> None:
+        self.force = force
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        import sys
+
+        from real.calibrate import calibrate, profile_path
+
+        missing = missing_draft_weights(swept_pairs(config))
+        if missing:  # fail before minutes of calibration, not in the middle of the sweep
+            print("error: " + "; ".join(missing) + " — train/copy them, or choose the pairs "
+                  "with pair=A,B on the command line", file=sys.stderr)
+            raise SystemExit(2)
+        exp = copy.deepcopy(to_experiment(config))
+        exp.backend = "real"
+        path = profile_path(exp)
+        ok, why = profile_is_current(path, exp)
+        if ok and not self.force:
+            print(f"latency profile: {path}")
+            return
+        print(f"latency profile: measuring ({'forced' if self.force else why}) ...")
+        sweep_dir = Path(config.hydra.sweep.dir)
+        calibrate(exp, sweep_dir / "calibration")

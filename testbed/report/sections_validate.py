@@ -1,0 +1,184 @@
+"""Report section "Validation": the simulator's predictions against real measurements.
+
+Joins `backend=sim` and `backend=real` runs on the experiment key (every key field but
+`backend`, plus the prompt split: a holdout prediction is compared with the holdout
+measurement; real runs on the `calibrate` split fed the prediction and are not compared) and,
+per metric, reports ``error_pct = 100 · (predicted − measured) / measured`` (DESIGN.md).
+Writes ``validation.csv`` (experiment key, metric, predicted, measured, error_pct), draws a
+parity plot (predicted against measured, y = x dashed) and states the headline: median and
+worst |error| of tokens/s against the fidelity target (≤ 5 % median, ≤ 15 % worst).
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+
+from testbed.metrics import KEY_FIELDS
+from testbed.report import ReportContext, markdown_table, section
+from testbed.results import Run
+
+METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len", "ar_tokens_per_s", "speedup")
+PARITY_METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len")
+JOIN = tuple(k for k in KEY_FIELDS if k != "backend") + ("split",)
+TARGET_MEDIAN, TARGET_WORST = 5.0, 15.0
+
+
+def run_split(run: Run) -> str:
+    from sim.oracle_trace import run_split as split_of
+
+    return split_of(run.path, run.summary)
+
+
+def validation_frame(runs: list[Run]) -> pd.DataFrame:
+    """Long table: one row per (experiment key, metric) present on both backends."""
+    rows = []
+    for run in runs:
+        s = run.summary
+        if s.get("backend") not in ("sim", "real"):
+            continue
+        split = run_split(run)
+        if s["backend"] == "real" and split == "calibrate":
+            continue  # the prediction's inputs, not something to predict
+        rows.append({**{k: s.get(k) for k in JOIN if k != "split"}, "split": split,
+                     "backend": s["backend"], **{m: s.get(m) for m in METRICS}})
+    if not rows:
+        return pd.DataFrame()
+    df = pd.DataFrame(rows)
+    if set(df["backend"]) != {"sim", "real"}:
+        return pd.DataFrame()
+    df["temperature"] = df["temperature"].astype(float)
+    long = df.melt(id_vars=[*JOIN, "backend"], value_vars=list(METRICS), var_name="metric")
+    long = long.dropna(subset=["value"])
+    long["value"] = long["value"].astype(float)
+    wide = long.pivot_table(index=[*JOIN, "metric"], columns="backend", values="value", aggfunc="mean")
+    if "sim" not in wide or "real" not in wide:
+        return pd.DataFrame()
+    wide = wide.dropna(subset=["sim", "real"]).reset_index()
+    out = wide.rename(columns={"sim": "predicted", "real": "measured"})
+    out = out[[*JOIN, "metric", "predicted", "measured"]]
+    out["error_pct"] = 100.0 * (out["predicted"] - out["measured"]) / out["measured"]
+    order = {m: i for i, m in enumerate(METRICS)}
+    out = out.sort_values(["metric", *JOIN], key=lambda c: c.map(order) if c.name == "metric" else c)
+    return out.reset_index(drop=True)
+
+
+def replay_measured(run: Run) -> dict | None:
+    """The latency model alone: the measured run's *own* recorded rounds timed by the profile,
+    rescaled as the prediction was (from the calibrate runs beside it). Its error isolates the
+    latency model from the acceptance transfer between prompt splits. None if not possible."""
+    import copy
+
+    import pandas as pd
+    import yaml
+
+    from testbed.config import ConfigError, to_experiment
+
+    exp_file = run.path / "experiment.yaml"
+    if not exp_file.exists() or run.summary.get("schedule") != "sync":
+        return None
+    try:
+        from sim.cost_profile import ProfileCost
+
+        exp = copy.deepcopy(to_experiment(yaml.safe_load(exp_file.read_text())))
+        exp.pair.name = run.summary.get("pair", exp.pair.name)
+        exp.backend, exp.sim.cost_model, exp.sim.profile_rescale = "sim", "profile", True
+        exp.acceptance.oracle, exp.acceptance.trace_path = "trace", str(run.path.parent)
+        seconds = ProfileCost(exp).decode_seconds(run.path)
+    except (ConfigError, FileNotFoundError, ValueError, KeyError):
+        return None
+    req = pd.read_parquet(run.path / "requests.parquet", columns=["request_id", "generated"])
+    rates = [g / seconds[r] for r, g in zip(req["request_id"], req["generated"]) if seconds.get(r)]
+    return {"tokens_per_s": sum(rates) / len(rates)} if rates else None
+
+
+def timing_only_frame(runs: list[Run], val: pd.DataFrame) -> pd.DataFrame:
+    """tokens/s of every measured real run against the sim replaying that run's acceptance."""
+    measured = {tuple(r[k] for k in JOIN) for _, r in val.iterrows()}
+    rows = []
+    for run in runs:
+        s = run.summary
+        if s.get("backend") != "real" or run_split(run) == "calibrate":
+            continue
+        key = tuple(s.get(k) if k != "split" else run_split(run) for k in JOIN)
+        key = tuple(float(v) if k == "temperature" else v for k, v in zip(JOIN, key))
+        if key not in measured:
+            continue
+        pred = replay_measured(run)
+        if pred is None or not pred.get("tokens_per_s") or not s.get("tokens_per_s"):
+            continue
+        rows.append({**dict(zip(JOIN, key)), "predicted": pred["tokens_per_s"], "measured": s["tokens_per_s"],
+                     "error_pct": 100.0 * (pred["tokens_per_s"] - s["tokens_per_s"]) / s["tokens_per_s"]})
+    return pd.DataFrame(rows)
+
+
+def error_stats(val: pd.DataFrame) -> pd.DataFrame:
+    """Per metric: experiments, median |error|, worst |error|, mean signed error (%)."""
+    g = val.assign(abs_err=val["error_pct"].abs()).groupby("metric", sort=False)
+    stats = g.agg(experiments=("error_pct", "size"), median_abs_error_pct=("abs_err", "median"),
+                  worst_abs_error_pct=("abs_err", "max"), mean_error_pct=("error_pct", "mean"))
+    return stats.reset_index()
+
+
+def parity_plot(val: pd.DataFrame, path: str) -> None:
+    metrics = [m for m in PARITY_METRICS if m in set(val["metric"])]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.4 * len(metrics), 4.2), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        m = val[val["metric"] == metric]
+        sns.scatterplot(data=m, x="measured", y="predicted", hue="pair", style="temperature", ax=ax,
+                        legend=metric == metrics[-1])
+        lo = float(min(m["measured"].min(), m["predicted"].min()))
+        hi = float(max(m["measured"].max(), m["predicted"].max()))
+        pad = 0.05 * (hi - lo or 1.0)
+        ax.plot([lo - pad, hi + pad], [lo - pad, hi + pad], "k--", linewidth=1, label="_y=x")
+        ax.set_xlim(lo - pad, hi + pad)
+        ax.set_ylim(lo - pad, hi + pad)
+        ax.set_title(metric)
+        ax.set_xlabel("measured (backend=real)")
+        ax.set_ylabel("predicted (backend=sim)")
+    if metrics and axes[0][len(metrics) - 1].get_legend() is not None:
+        sns.move_legend(axes[0][len(metrics) - 1], "upper left", bbox_to_anchor=(1.02, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+@section(12, "Validation: simulator vs real")
+def validation(ctx: ReportContext) -> str:
+    val = validation_frame(ctx.runs)
+    if val.empty:
+        return ""
+    val.to_csv(ctx.out_dir / "validation.csv", index=False)
+    stats = error_stats(val)
+    parity_plot(val, str(ctx.figure_path("parity.png")))
+    tps = stats[stats["metric"] == "tokens_per_s"]
+    lines = []
+    if len(tps):
+        med, worst = float(tps["median_abs_error_pct"].iloc[0]), float(tps["worst_abs_error_pct"].iloc[0])
+        ok = med <= TARGET_MEDIAN and worst <= TARGET_WORST
+        lines.append(f"**tokens/s: median |error| {med:.1f} %, worst |error| {worst:.1f} %** over "
+                     f"{int(tps['experiments'].iloc[0])} experiments — target ≤ {TARGET_MEDIAN:g} % / "
+                     f"≤ {TARGET_WORST:g} %: {'met' if ok else 'NOT met'}.\n")
+    lines.append("error_pct = 100·(predicted − measured)/measured; predicted = `backend=sim`, "
+                 "measured = `backend=real`, joined on the experiment key and prompt split "
+                 "(written to `validation.csv`).\n")
+    lines.append(markdown_table(stats, floatfmt="{:.2f}") + "\n")
+    varying = [k for k in JOIN if val[k].astype(str).nunique() > 1]
+    table = val[val["metric"].isin(PARITY_METRICS)].pivot_table(
+        index=varying or ["pair"], columns="metric", values="error_pct", aggfunc="mean").reset_index()
+    table.columns = [f"{c} err %" if c in PARITY_METRICS else c for c in table.columns]
+    lines.append("Signed error per experiment (%):\n")
+    lines.append(markdown_table(table, floatfmt="{:+.1f}") + "\n")
+    lines.append("![parity](parity.png)\n")
+    timing = timing_only_frame(ctx.runs, val)
+    if len(timing):
+        timing.to_csv(ctx.out_dir / "validation_timing.csv", index=False)
+        err = timing["error_pct"].abs()
+        lines.append(f"Latency model alone — each measured run's *own* rounds timed by the profile, "
+                     f"rescaled as the prediction was (no acceptance transfer): tokens/s median |error| "
+                     f"{err.median():.1f} %, worst {err.max():.1f} %, mean signed "
+                     f"{timing['error_pct'].mean():+.1f} % over {len(timing)} runs "
+                     "(`validation_timing.csv`). The rest of the error above is acceptance that "
+                     "differs between the calibrate and the held-out prompts.")
+    return "\n".join(lines)

@@ -1,0 +1,168 @@
+"""The `profile` cost model: exact on the measured grid, monotone between grid points, one clear
+error when no profile exists; calibration's robust smoothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sim.cost_profile import CALIBRATE_CMD, SCHEMA, ProfileCost, interp1
+from testbed.config import ConfigError
+from tests.conftest import compose_exp, run_cli
+
+K = [1, 2, 4, 8]
+CTX = [64, 256, 1024]
+# strictly increasing in k and context, not linear in either (interpolation must not assume it)
+TARGET = [[0.020 + 0.001 * k ** 1.5 + 2e-6 * c * (1 + k / 8) for k in K] for c in CTX]
+DRAFT = [[0.002 + 0.0005 * k + 1e-6 * c for k in K[:2]] for c in CTX]
+
+
+def make_profile() -> dict:
+    def fwd(rows, ks):  # type: ignore[no-untyped-def]
+        return {"k": ks, "context": CTX, "seconds": rows}
+
+    return {
+        "schema": SCHEMA, "hardware": "local", "threads": 2, "dtype": "fp32",
+        "models": {
+            "smollm2_135m": {"kind": "transformer", "layers": 30,
+                             "forward": {"greedy": fwd(TARGET, K),
+                                         "sample": fwd([[2 * v for v in r] for r in TARGET], K)},
+                             "accept": {"greedy": {"k": K, "seconds": [1e-4, 2e-4, 3e-4, 4e-4]}},
+                             "pick": {"greedy": 5e-5, "sample": 7e-4},
+                             "prefill": {"prompt_len": [16, 256], "seconds": [0.03, 0.2]}},
+            "smollm2_exit10": {"kind": "early_exit", "layers": 10,
+                               "forward": {"greedy": fwd(DRAFT, K[:2])}},
+            "ngram3": {"kind": "ngram", "propose": {"greedy": {"context": CTX, "seconds": [1e-5, 2e-5, 5e-5]}}},
+        },
+    }
+
+
+def cost(*overrides: str) -> ProfileCost:
+    exp = compose_exp("pair=smollm2_135m+smollm2_exit10", "hardware=local", "sim.cost_model=profile",
+                      *overrides)
+    return ProfileCost(exp, profile=make_profile())
+
+
+def test_exact_on_grid_points() -> None:
+    c = cost()
+    accept = dict(zip(K, [1e-4, 2e-4, 3e-4, 4e-4]))
+    for ci, ctx in enumerate(CTX):
+        for ki, k in enumerate(K):
+            assert c.forward("target", k, ctx) == pytest.approx(TARGET[ci][ki] + accept[k], rel=1e-12)
+        for ki, k in enumerate(K[:2]):
+            assert c.forward("draft", k, ctx) == pytest.approx(DRAFT[ci][ki], rel=1e-12)
+    assert c.prefill("target", 256) == pytest.approx(0.2)
+    assert c.prefill("draft", 256) == 0.0  # early exit: the target's prefill is its prefill
+
+
+def test_monotone_and_between_neighbours_off_grid() -> None:
+    c = cost()
+    for ctx in (64, 100, 300, 700, 1024):
+        row = [c.forward("target", k, ctx) for k in range(1, 9)]
+        assert all(b >= a for a, b in zip(row, row[1:])), row
+    for k in (1, 3, 5, 8):
+        col = [c.forward("target", k, ctx) for ctx in range(64, 1025, 37)]
+        assert all(b >= a for a, b in zip(col, col[1:])), col
+    # bilinear: a cell's interior lies between its corners
+    lo = c.forward("target", 2, 64)
+    hi = c.forward("target", 4, 256)
+    assert lo < c.forward("target", 3, 150) < hi
+
+
+def test_temperature_class_and_ar_pick() -> None:
+    greedy, sampled = cost(), cost("sampling.temperature=1.0")
+    assert sampled.forward("target", 4, 256) - 3e-4 == pytest.approx(2 * TARGET[1][2], rel=1e-12)
+    assert greedy.forward("target", 4, 256) - 3e-4 == pytest.approx(TARGET[1][2], rel=1e-12)
+    ar = cost("schedule=ar")  # `ar` picks from p (argmax) instead of running Algorithm 1
+    assert ar.forward("target", 1, 64) == pytest.approx(TARGET[0][0] + 5e-5, rel=1e-12)
+
+
+def test_ngram_lookup_is_spread_over_the_rounds_forwards() -> None:
+    exp = compose_exp("pair=smollm2_135m+ngram3", "hardware=local", "sim.cost_model=profile",
+                      "schedule.gamma=4")
+    c = ProfileCost(exp, profile=make_profile())
+    assert c.forward("draft", 1, 256) == pytest.approx(2e-5 / 4)
+
+
+def test_interp_extrapolates_linearly() -> None:
+    assert interp1(3.0, [1.0, 2.0], [10.0, 20.0]) == pytest.approx(30.0)
+    assert interp1(0.0, [1.0, 2.0], [10.0, 20.0]) == pytest.approx(0.0)
+
+
+def test_missing_profile_and_missing_model_are_one_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    exp = compose_exp("pair=smollm2_135m+ngram3", "hardware=local", "sim.cost_model=profile",
+                      f"sim.profile_path={tmp_path / 'none.json'}")
+    with pytest.raises(ConfigError, match="sim.profile_path") as e:
+        ProfileCost(exp)
+    assert CALIBRATE_CMD in str(e.value)
+    prof = make_profile()
+    del prof["models"]["ngram3"]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    exp.sim.profile_path = str(path)
+    with pytest.raises(ConfigError, match="pair.draft='ngram3'") as e:
+        ProfileCost(exp)
+    assert CALIBRATE_CMD in str(e.value)
+
+
+def test_cli_without_profile_exits_2_with_the_calibrate_command(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    r = run_cli("pair=smollm2_135m+ngram3", "hardware=local", "sim.cost_model=profile",
+                f"sim.profile_path={tmp_path / 'missing.json'}", "workload.num_prompts=1",
+                "workload.max_new_tokens=4", f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "python -m testbed backend=real +calibrate" in r.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_calibrate_flag_needs_backend_real() -> None:
+    from testbed.preflight import normalize_args
+
+    assert normalize_args(["backend=real", "+calibrate"]) == ["backend=real", "calibrate=true"]
+    assert normalize_args(["+calibrate=false", "x=1"]) == ["calibrate=false", "x=1"]
+    with pytest.raises(ConfigError, match="calibrate"):
+        compose_exp("calibrate=true")
+
+
+def test_calibration_smoothing_survives_one_outlier() -> None:
+    from real.calibrate import isotonic, smooth_table, theil_sen
+
+    a, b = theil_sen([64, 128, 256, 512, 1024], [1.064, 1.128, 9.0, 1.512, 2.024])
+    assert a == pytest.approx(1.0, abs=1e-9) and b == pytest.approx(1e-3, abs=1e-9)
+    assert isotonic([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    raw = [[0.02, 0.03], [0.02, 0.5], [0.021, 0.031], [0.022, 0.032]]  # one spike at (128, k=2)
+    smooth = smooth_table(raw, [64, 128, 256, 512])
+    assert smooth[1][1] < 0.04
+    assert all(r[1] >= r[0] for r in smooth)
+
+
+def test_rescale_follows_the_calibrate_runs_round_times(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """profile_rescale: a machine running 2x slower than the profile (k=5) is predicted 2x slower;
+    other k keep the profile's shape with the role's overall scale."""
+    from testbed.recorder import RunRecorder, RunResult
+    from testbed.results import write_run
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(make_profile()))
+    base = ("pair=smollm2_135m+smollm2_exit10", "hardware=local", "schedule.gamma=4", "workload=humaneval")
+    real = compose_exp("backend=real", *base, "workload.split=calibrate")
+    plain = ProfileCost(compose_exp(*base, "sim.cost_model=profile", f"sim.profile_path={path}"))
+    rec, seq_len = RunRecorder(), 100
+    for r in range(8):  # 8 rounds, each keeps 1 of 4 guesses: the target verifies 5 tokens
+        t_target = 2.0 * plain.forward("target", 5, seq_len - 1)
+        t_draft = 3.0 * sum(plain.forward("draft", 1, seq_len + i - 1) for i in range(4))
+        rec.round(0, r, 0.0, 0.0, 4, 2, 1, 2, 5, t_draft, t_target)
+        seq_len += 2
+    rec.request(0, "HumanEval/0", 100, [], 16, 0.1, 1.0, 8)
+    write_run(tmp_path / "runs" / "0", real, RunResult(recorder=rec))
+    exp = compose_exp(*base, "sim.cost_model=profile", f"sim.profile_path={path}", "acceptance=trace",
+                      f"acceptance.trace_path={tmp_path / 'runs'}", "sim.profile_rescale=true",
+                      "workload.split=holdout")
+    scaled = ProfileCost(exp)
+    assert scaled.scale_k[5] == pytest.approx(2.0, rel=1e-9)
+    assert scaled.scale["target"] == pytest.approx(2.0, rel=1e-9)
+    assert scaled.scale["draft"] == pytest.approx(3.0, rel=0.02)  # the first forward feeds 1 or 2
+    assert scaled.forward("target", 5, 300) == pytest.approx(2.0 * plain.forward("target", 5, 300))
+    assert scaled.decode_seconds(tmp_path / "runs" / "0")[0] == pytest.approx(
+        sum(rec.rounds[i][9] + rec.rounds[i][10] for i in range(8)), rel=0.02)

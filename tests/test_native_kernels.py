@@ -1,0 +1,95 @@
+"""kernels.native (kernels/gemv.cpp): the GEMV/SwiGLU kernels against F.linear, and the fused
+decoder layers against the op-by-op reference path of real.model, including masks (trees),
+separate RoPE positions, a bf16 KV cache and layer ranges. No timings here (benchmarks/)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import native
+from real.model import ModelArgs, Transformer
+
+pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason="native kernels not built (no C++ compiler?)")
+
+ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=97, max_seq_len=64)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_linear_and_swiglu_match_f_linear(t: int) -> None:
+    # K = 70 is not a multiple of the 16/32-element vectors: exercises the masked tails
+    x, w = torch.randn(1, t, 70, generator=gen(0)), torch.randn(45, 70, generator=gen(1))
+    r = torch.randn(1, t, 45, generator=gen(2))
+    torch.testing.assert_close(native.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(native.linear_add(x, w, r), F.linear(x, w) + r, atol=1e-5, rtol=1e-5)
+    gate_up = w[:44]
+    expected = F.silu(F.linear(x, gate_up[:22])) * F.linear(x, gate_up[22:])
+    torch.testing.assert_close(native.swiglu_fused(x, gate_up), expected, atol=1e-5, rtol=1e-5)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    got = native.linear(xb, wb)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(xb.float(), wb.float()), atol=0.1, rtol=0.01)
+
+
+def test_more_than_eight_tokens_fall_back() -> None:
+    x, w = torch.randn(2, 9, 64, generator=gen(3)), torch.randn(32, 64, generator=gen(4))
+    torch.testing.assert_close(native.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-4)
+
+
+def run_both(model: Transformer, steps) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Run ``steps`` (callables of the model) op by op and fused, from the same empty cache."""
+    outs = []
+    for fused in (False, True):
+        kernels.reset()
+        if not fused:
+            kernels.register("decode_layers", kernels.reference.decode_layers)
+        model.setup_cache(32)
+        with torch.inference_mode():
+            outs.append([step(model) for step in steps])
+    kernels.reset()
+    return list(zip(*outs))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
+def test_decode_layers_match_op_by_op(dtype: torch.dtype, tol: float) -> None:
+    model = Transformer(ARGS, dtype=dtype).init_random(0, std=0.1).eval()
+    # 20 cached slots: attention spans more than one 16-key block of the native kernel
+    prompt = torch.randint(0, ARGS.vocab_size, (1, 20), generator=gen(5))
+    tree_mask = torch.ones(3, 24, dtype=torch.bool)
+    tree_mask[2, 22] = False  # node 2 is a sibling of node 1, not its child
+    steps = [
+        lambda m: m(prompt, 0),  # prefill, 20 tokens: op by op in both runs
+        lambda m: m(torch.tensor([[7]])),  # decode
+        lambda m: m(torch.tensor([[1, 2, 3]]), 21),  # verification, causal
+        lambda m: m(torch.tensor([[4, 5, 6]]), torch.tensor([21, 22, 23]), mask=tree_mask,
+                    position_ids=torch.tensor([21, 22, 22])),  # a tree
+        lambda m: m(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]), 21),  # 8 tokens, the most fused
+        lambda m: m.early_exit(torch.tensor([[8]]), 2, 24),  # layer range
+    ]
+    for ref, got in run_both(model, steps):
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol * ref.abs().max().item(), rtol=0)
+
+
+def test_fused_path_is_taken_and_leaves_input_alone() -> None:
+    model = Transformer(ARGS).init_random(1, std=0.1).eval()
+    model.setup_cache(16)
+    h = torch.randn(1, 1, ARGS.dim, generator=gen(6))
+    before = h.clone()
+    pos = torch.tensor([0])
+    cos, sin = model.rope_cos[pos], model.rope_sin_signed[pos]
+    out = native.decode_layers(model, 0, ARGS.n_layers, h, cos, sin, pos, None, 1)
+    assert out is not None and out.shape == h.shape
+    assert torch.equal(h, before)
+    # a registered replacement op must run: the fused default steps aside
+    kernels.register("rms_norm", kernels.reference.rms_norm)
+    try:
+        assert kernels.decode_layers is kernels.reference.decode_layers
+    finally:
+        kernels.reset()
+    assert kernels.decode_layers is native.decode_layers

@@ -1,0 +1,103 @@
+"""`acceptance=trace`: replaying a real run's recorded rounds in the simulator."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from sim.engine import run as sim_run
+from sim.oracle_trace import RequestTrace, TraceSequence, select_trace_runs
+from testbed.config import ConfigError
+from testbed.recorder import RunRecorder, RunResult
+from testbed.results import write_run
+from tests.conftest import compose_exp
+
+N_TOKENS = 60
+
+
+def recorded_rounds(seed: int, gamma: int, ngram: bool = False) -> list[tuple[int, int, int]]:
+    """(drafted, accepted, emitted) rounds of one request that emit exactly N_TOKENS tokens."""
+    rng = random.Random(seed)
+    out, generated = [], 0
+    while generated < N_TOKENS:
+        d = rng.choice([0, 1, 2, gamma, gamma]) if ngram else gamma
+        n = rng.randint(0, d)
+        e = min(n + 1, N_TOKENS - generated)
+        out.append((d, n, e))
+        generated += e
+    return out
+
+
+def write_trace_run(path: Path, gamma: int, split: str = "calibrate", requests: int = 2,
+                    ngram: bool = False, temperature: float = 0.0) -> list[list[tuple[int, int, int]]]:
+    exp = compose_exp("backend=real", "pair=smollm2_135m+ngram3", f"schedule.gamma={gamma}",
+                      f"workload.split={split}",
+                      f"workload.max_new_tokens={N_TOKENS}", f"sampling.temperature={temperature}")
+    rec = RunRecorder()
+    per_request = []
+    for rid in range(requests):
+        rounds = recorded_rounds(100 * rid + gamma, gamma, ngram)
+        t = 0.0
+        for i, (d, n, e) in enumerate(rounds):
+            rec.round(rid, i, t, t + 0.01, d, n + (n < d), n, e, d + 1, 0.001, 0.009)
+            t += 0.01
+        rec.request(rid, f"p{rid}", 100, [], N_TOKENS, 0.1, t, len(rounds))
+        per_request.append(rounds)
+    write_run(path, exp, RunResult(recorder=rec))
+    return per_request
+
+
+def sim_exp(trace: Path, gamma: int, requests: int = 2, *extra: str):  # type: ignore[no-untyped-def]
+    return compose_exp("pair=smollm2_135m+ngram3", "hardware=local", "sim.cost_model=analytic",
+                       "workload=synthetic", f"workload.num_prompts={requests}",
+                       f"workload.max_new_tokens={N_TOKENS}", "workload.prompt_len=64",
+                       "acceptance=trace", f"acceptance.trace_path={trace}", f"schedule.gamma={gamma}",
+                       *extra)
+
+
+@pytest.mark.parametrize("ngram", [False, True])
+def test_same_gamma_reproduces_the_recorded_rounds(tmp_path: Path, ngram: bool) -> None:
+    recorded = write_trace_run(tmp_path / "real", gamma=4, ngram=ngram)
+    rounds, _, _ = sim_run(sim_exp(tmp_path / "real", 4)).recorder.frames()
+    for rid, rec in enumerate(recorded):
+        got = rounds[rounds["request_id"] == rid]
+        assert list(zip(got["drafted"], got["accepted"], got["emitted"])) == rec
+    want = pd.Series([n for rec in recorded for _, n, _ in rec]).value_counts().sort_index()
+    assert rounds["accepted"].value_counts().sort_index().tolist() == want.tolist()
+    # a target forward verifies only what was proposed (n-gram drafts propose fewer than γ)
+    assert (rounds["verified_tokens"] == rounds["drafted"] + 1).all()
+
+
+def test_the_match_stream_drives_another_gamma() -> None:
+    full = RequestTrace([(4, 4)] * 10, gamma=4)  # every guess matched at γ=4
+    seq = TraceSequence(full, random.Random(0))
+    assert [seq.chain_round(2).accepted for _ in range(8)] == [2] * 8
+    alternating = RequestTrace([(4, 1)] * 10, gamma=4)  # stream 1,0,1,0,...
+    seq = TraceSequence(alternating, random.Random(0))
+    assert [seq.chain_round(6).accepted for _ in range(8)] == [1] * 8
+    seq = TraceSequence(alternating, random.Random(0))
+    assert [seq.chain_round(1).accepted for _ in range(4)] == [1, 1, 1, 1]
+
+
+def test_a_directory_of_runs_prefers_calibrate_runs_and_the_same_gamma(tmp_path: Path) -> None:
+    write_trace_run(tmp_path / "a", gamma=4, split="holdout")
+    write_trace_run(tmp_path / "b", gamma=2, split="calibrate")
+    write_trace_run(tmp_path / "c", gamma=4, split="calibrate")
+    write_trace_run(tmp_path / "d", gamma=4, split="calibrate", temperature=1.0)
+    exp = sim_exp(tmp_path, 4, 2, "workload=humaneval", "workload.split=holdout")
+    assert [d.name for d, _ in select_trace_runs(tmp_path, exp)] == ["c"]
+    exp.schedule.gamma = 6  # no γ=6 trace: any calibrate run of the same key drives it
+    assert sorted(d.name for d, _ in select_trace_runs(tmp_path, exp)) == ["b", "c"]
+
+
+def test_missing_or_empty_trace_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="acceptance.trace_path"):
+        sim_run(sim_exp(tmp_path / "nowhere", 4))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="none found"):
+        sim_run(sim_exp(tmp_path / "empty", 4, 2, "workload=humaneval"))
+    with pytest.raises(ConfigError, match="trace_path"):
+        sim_run(compose_exp("acceptance=trace", "workload.num_prompts=1"))

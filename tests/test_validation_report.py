@@ -1,0 +1,71 @@
+"""The validation report: sim and real joined on the experiment key, error_pct signed, the
+calibrate split left out, validation.csv with DESIGN.md's columns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from testbed.recorder import RunRecorder, RunResult
+from testbed.report import build_report
+from testbed.report.sections_validate import validation_frame
+from testbed.results import find_runs, write_run
+from tests.conftest import compose_exp
+
+
+def write_fake_run(path: Path, backend: str, split: str, decode_s: float, accepted: int,
+                   gamma: int = 4) -> None:
+    """One request of 40 tokens decoded in `decode_s`; every round keeps `accepted` guesses."""
+    exp = compose_exp(f"backend={backend}", "pair=smollm2_135m+ngram3", "hardware=local",
+                      "workload=humaneval", f"workload.split={split}", f"schedule.gamma={gamma}")
+    rec = RunRecorder()
+    generated, r = 0, 0
+    while generated < 40:
+        e = min(accepted + 1, 40 - generated)
+        rec.round(0, r, 0.0, 0.0, gamma, accepted + 1, accepted, e, gamma + 1, 0.0, 0.0)
+        generated += e
+        r += 1
+    rec.request(0, "HumanEval/0", 100, [], 40, 0.1, decode_s, r)
+    write_run(path, exp, RunResult(recorder=rec))
+
+
+@pytest.fixture
+def sweep(tmp_path: Path) -> Path:
+    write_fake_run(tmp_path / "0", "real", "calibrate", decode_s=0.2, accepted=3)  # the trace source
+    write_fake_run(tmp_path / "1", "real", "holdout", decode_s=1.0, accepted=1)  # measured: 40 tok/s
+    write_fake_run(tmp_path / "2", "sim", "holdout", decode_s=0.8, accepted=3)  # predicted: 50 tok/s
+    write_fake_run(tmp_path / "3", "real", "holdout", decode_s=1.0, accepted=1, gamma=2)  # no sim partner
+    return tmp_path
+
+
+def test_join_and_signed_error(sweep: Path) -> None:
+    val = validation_frame(find_runs([sweep]))
+    assert set(val["gamma"]) == {4}  # γ=2 has no prediction; the calibrate run is no measurement
+    row = val.set_index("metric").loc["tokens_per_s"]
+    assert row["measured"] == pytest.approx(40.0) and row["predicted"] == pytest.approx(50.0)
+    assert row["error_pct"] == pytest.approx(25.0)  # over-prediction is positive
+    tpot = val.set_index("metric").loc["tpot_ms"]
+    assert tpot["error_pct"] == pytest.approx(-20.0)
+    mal = val.set_index("metric").loc["mean_accepted_len"]
+    assert (mal["predicted"], mal["measured"]) == (pytest.approx(4.0), pytest.approx(2.0))
+
+
+def test_report_writes_validation_csv_and_parity_plot(sweep: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    md = build_report([sweep], out).read_text()
+    csv = pd.read_csv(out / "validation.csv")
+    assert list(csv.columns) == ["schedule", "pair", "hardware", "target_gpus", "draft_gpus", "nodes",
+                                 "gamma", "workload", "temperature", "seed", "split", "metric",
+                                 "predicted", "measured", "error_pct"]
+    assert {"tokens_per_s", "tpot_ms", "mean_accepted_len"} <= set(csv["metric"])
+    assert (out / "parity.png").stat().st_size > 0
+    assert "median |error| 25.0 %" in md and "NOT met" in md
+
+
+def test_no_validation_section_without_both_backends(tmp_path: Path) -> None:
+    write_fake_run(tmp_path / "a", "real", "holdout", decode_s=1.0, accepted=1)
+    assert validation_frame(find_runs([tmp_path])).empty
+    build_report([tmp_path], tmp_path / "r")
+    assert not (tmp_path / "r" / "validation.csv").exists()
