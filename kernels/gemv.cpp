@@ -197,11 +197,19 @@ inline void exp_inplace(float* x, long n) {
     for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
+// Threads only for large matrices (the LM head). Every OpenMP region ends in a barrier that
+// waits for all its threads: when another job occupies a core, each wait lasts until the
+// scheduler runs our descheduled thread again, and ~120 regions per token (one per layer GEMV)
+// made 2-thread decode ~40x slower than 1 thread on this shared 2-core machine (oneDNN's
+// per-GEMV regions behave the same way). One region per token bounds that damage.
+constexpr long kParallelMinBytes = 16l << 20;
+
 // y[t][n] = sum_k x[t][k] W[n][k] (+ res[t][n]); res/y in activation type A (row stride N).
 // Threads take contiguous row ranges: each still streams its part of W front to back.
 template <typename W, typename A, int T>
 void linear_t(const float* xf, long xs, const W* w, const A* res, A* y, long N, long K, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (threads > 1 && N * K * static_cast<long>(sizeof(W)) >= kParallelMinBytes)
     for (long n = 0; n < N; ++n) {
         float out[T];
         dot_row<T>(w + n * K, K, xf, xs, out);
@@ -217,7 +225,8 @@ void linear_t(const float* xf, long xs, const W* w, const A* res, A* y, long N, 
 template <typename W, typename A, int T>
 void swiglu_t(const float* xf, long xs, const W* w, A* y, long F, long K, int threads) {
     std::vector<float> gate(T * F), up(T * F), e(T * F);  // [T, F] each
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (threads > 1 && 2 * F * K * static_cast<long>(sizeof(W)) >= kParallelMinBytes)
     for (long j = 0; j < F; ++j) {
         float g[T], u[T];
         dot_row<T>(w + j * K, K, xf, xs, g);
@@ -452,8 +461,8 @@ template <typename C>
 void attend(const LayerDims& dm, const float* q, const C* kc, const C* vc, const long* slots,
             const uint8_t* mask, long S, long T, float* out, int threads) {
     const long hkv = dm.n_kv_heads, d = dm.head_dim, rows = dm.n_heads / hkv * T;
+    (void)threads;  // single-threaded: small next to the GEMVs (see kParallelMinBytes)
     std::vector<float> probs(hkv * rows * S);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && S * T > 256)
     for (long g = 0; g < hkv; ++g) {
         const C* kh = kc + g * dm.max_seq * d;
         const C* vh = vc + g * dm.max_seq * d;
