@@ -17,7 +17,7 @@ points, monotone between two of them), linear extrapolation beyond it.
 but are scaled to the round times the trace's real runs recorded — per role, and for the target
 per k where enough rounds verified k tokens (on a shared machine the speed, and even the shape
 in k, drift between calibration and the runs; `+sweep=validate` uses this with the
-calibrate-split run of each grid point, never the held-out run it predicts).
+trace-split run of each grid point, never the run it predicts).
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ ratios 1 (match) / 0 (mismatch), like every other oracle.
 
 ``acceptance.trace_path`` is a real run directory, its rounds.parquet, or a directory of runs
 (e.g. a validation sweep): then runs are filtered by the experiment key (schedule sync, pair,
-workload, temperature; γ preferred), and runs on the `calibrate` prompt split are preferred to
-any other, so a holdout prediction never replays the holdout's own acceptance.
+workload, temperature; γ preferred), and runs on the prompt split that feeds the experiment's
+split are preferred (testbed.workloads.TRACE_SOURCE: `calibrate` for `holdout`, `trace` for
+`test`); a prediction never replays its own prompts' acceptance.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import yaml
 from sim.oracle import ORACLES, ChainOutcome, SequenceOracle, TokenOracle
 from testbed.config import ConfigError, ExperimentConfig
 from testbed.spec.speculative import accepted_prefix
+from testbed.workloads import TRACE_SOURCE
 
 HOWTO = ("record one with `python -m testbed backend=real schedule=sync workload.split=calibrate` "
          "(or run `python -m testbed +sweep=validate`)")
@@ -97,11 +99,12 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
     runs = [(d, s) for d, s in runs
             if s.get("pair") == exp.pair.name and s.get("workload") == exp.workload.name
             and float(s.get("temperature", -1)) == float(exp.sampling.temperature)]
-    calibrate = [(d, s) for d, s in runs if run_split(d, s) == "calibrate"]
-    if calibrate:
-        runs = calibrate
-    elif exp.workload.split == "holdout":
-        runs = [(d, s) for d, s in runs if run_split(d, s) != "holdout"]
+    own = exp.workload.split
+    source = [(d, s) for d, s in runs if run_split(d, s) == TRACE_SOURCE.get(own, "calibrate")]
+    if source:
+        runs = source
+    elif own != "all":  # never replay the predicted prompts' own acceptance
+        runs = [(d, s) for d, s in runs if run_split(d, s) not in (own, "all")]
     if exp.backend == "sim":
         real = [(d, s) for d, s in runs if s.get("backend") == "real"]
         runs = real or runs

@@ -154,7 +154,7 @@ class WorkloadConfig:
     num_prompts: int = 8
     max_new_tokens: int = 256
     prompt_len: int = 256  # synthetic only
-    split: str = "all"  # all | calibrate | holdout (real workloads, for validation)
+    split: str = "all"  # all | calibrate | holdout | trace | test (testbed.workloads.SPLITS)
     chat_template: bool = True
 
 
@@ -370,7 +370,7 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _int_range("workload.num_prompts", w.num_prompts, 1, 100_000)
     _int_range("workload.max_new_tokens", w.max_new_tokens, 1, 1_000_000)
     _int_range("workload.prompt_len", w.prompt_len, 1, 10_000_000)
-    _choice("workload.split", w.split, ("all", "calibrate", "holdout"))
+    _choice("workload.split", w.split, ("all", "calibrate", "holdout", "trace", "test"))
 
     sp = exp.sampling
     _float_range("sampling.temperature", sp.temperature, 0.0, 100.0)

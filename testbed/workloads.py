@@ -19,7 +19,14 @@ from typing import Any
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 REAL_WORKLOADS = ("humaneval", "mtbench", "alpaca")
 KINDS = ("code", "chat", "instruction")
-SPLITS = ("all", "calibrate", "holdout")
+# calibrate | holdout: the two halves of a set (the trained draft learned from `calibrate` only).
+# trace | test: the two halves of `holdout`, for validating predictions with a draft trained on
+# `calibrate`: acceptance traces come from `trace`, the measured/predicted runs use `test`, so
+# neither side has seen the draft's training prompts (which inflate acceptance).
+SPLITS = ("all", "calibrate", "holdout", "trace", "test")
+# which split's recorded runs may drive predictions for a given split (acceptance=trace)
+TRACE_SOURCE = {"holdout": "calibrate", "test": "trace", "all": "calibrate"}
+TRACE_SPLITS = frozenset(TRACE_SOURCE.values())
 EXTRACT_CMD = "python scripts/extract_workloads.py"
 
 
@@ -83,11 +90,12 @@ def _unit_hash(*parts: object) -> float:
 def split_prompts(
     prompts: Sequence[Prompt], split: str, seed: int = 0, holdout_frac: float = 0.5
 ) -> list[Prompt]:
-    """The calibration or holdout part of `prompts` (or all of them), in input order.
+    """The `split` part of `prompts` (see SPLITS), in input order.
 
     A prompt is in the holdout when sha256("split:seed:id") maps below `holdout_frac`; the rest
     calibrate. Membership depends only on (id, seed, holdout_frac), so calibration runs and the
     validation that predicts the holdout see disjoint prompts whatever the order or subset.
+    `trace` and `test` halve the holdout by sha256("subsplit:seed:id") < 0.5.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -95,8 +103,11 @@ def split_prompts(
         raise ValueError(f"holdout_frac must be in [0, 1], got {holdout_frac}")
     if split == "all":
         return list(prompts)
-    want_holdout = split == "holdout"
-    return [p for p in prompts if (_unit_hash("split", seed, p.id) < holdout_frac) == want_holdout]
+    want_holdout = split != "calibrate"
+    part = [p for p in prompts if (_unit_hash("split", seed, p.id) < holdout_frac) == want_holdout]
+    if split in ("trace", "test"):  # halves of the holdout, by a hash independent of the split's
+        part = [p for p in part if (_unit_hash("subsplit", seed, p.id) < 0.5) == (split == "trace")]
+    return part
 
 
 def select(prompts: Sequence[Prompt], num_prompts: int, seed: int = 0) -> list[Prompt]:

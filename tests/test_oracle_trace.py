@@ -93,6 +93,16 @@ def test_a_directory_of_runs_prefers_calibrate_runs_and_the_same_gamma(tmp_path:
     assert sorted(d.name for d, _ in select_trace_runs(tmp_path, exp)) == ["b", "c"]
 
 
+def test_a_test_split_prediction_replays_trace_runs_never_its_own(tmp_path: Path) -> None:
+    write_trace_run(tmp_path / "cal", gamma=4, split="calibrate")
+    write_trace_run(tmp_path / "own", gamma=4, split="test")
+    exp = sim_exp(tmp_path, 4, 2, "workload=humaneval", "workload.split=test")
+    # no `trace` run yet: anything but the predicted split itself
+    assert [d.name for d, _ in select_trace_runs(tmp_path, exp)] == ["cal"]
+    write_trace_run(tmp_path / "tr", gamma=4, split="trace")
+    assert [d.name for d, _ in select_trace_runs(tmp_path, exp)] == ["tr"]
+
+
 def test_missing_or_empty_trace_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="acceptance.trace_path"):
         sim_run(sim_exp(tmp_path / "nowhere", 4))

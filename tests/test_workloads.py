@@ -85,6 +85,19 @@ def test_split_is_stable_partition(name: str) -> None:
     assert {p.id for p in split_prompts(prompts, "holdout", seed=1)} != hold_ids
 
 
+@pytest.mark.parametrize("name", ["humaneval", "mtbench"])
+def test_trace_and_test_halve_the_holdout(name: str) -> None:
+    # The validate sweep takes acceptance traces on `trace` and measures on `test`: both must be
+    # inside the holdout (never the trained draft's `calibrate` prompts) and disjoint.
+    prompts = load_prompts(name)
+    hold = {p.id for p in split_prompts(prompts, "holdout")}
+    trace = {p.id for p in split_prompts(prompts, "trace")}
+    test = {p.id for p in split_prompts(prompts, "test")}
+    assert trace and test and not trace & test
+    assert trace | test == hold
+    assert 0.3 < len(trace) / len(hold) < 0.7
+
+
 def test_split_known_members() -> None:
     # Pins the hash so a change in the split rule (which would silently mix calibration and
     # validation prompts across versions) fails here.

@@ -1,8 +1,9 @@
 """Report section "Validation": the simulator's predictions against real measurements.
 
 Joins `backend=sim` and `backend=real` runs on the experiment key (every key field but
-`backend`, plus the prompt split: a holdout prediction is compared with the holdout
-measurement; real runs on the `calibrate` split fed the prediction and are not compared) and,
+`backend`, plus the prompt split: a `test` (or `holdout`) prediction is compared with the
+measurement on the same split; real runs on the trace-source splits `trace`/`calibrate` fed the
+prediction and are not compared) and,
 per metric, reports ``error_pct = 100 · (predicted − measured) / measured`` (DESIGN.md).
 Writes ``validation.csv`` (experiment key, metric, predicted, measured, error_pct), draws a
 parity plot (predicted against measured, y = x dashed) and states the headline: median and
@@ -18,6 +19,7 @@ import seaborn as sns
 from testbed.metrics import KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
 from testbed.results import Run
+from testbed.workloads import TRACE_SPLITS
 
 METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len", "ar_tokens_per_s", "speedup")
 PARITY_METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len")
@@ -39,7 +41,7 @@ def validation_frame(runs: list[Run]) -> pd.DataFrame:
         if s.get("backend") not in ("sim", "real"):
             continue
         split = run_split(run)
-        if s["backend"] == "real" and split == "calibrate":
+        if s["backend"] == "real" and split in TRACE_SPLITS:
             continue  # the prediction's inputs, not something to predict
         rows.append({**{k: s.get(k) for k in JOIN if k != "split"}, "split": split,
                      "backend": s["backend"], **{m: s.get(m) for m in METRICS}})
@@ -99,7 +101,7 @@ def timing_only_frame(runs: list[Run], val: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for run in runs:
         s = run.summary
-        if s.get("backend") != "real" or run_split(run) == "calibrate":
+        if s.get("backend") != "real" or run_split(run) in TRACE_SPLITS:
             continue
         key = tuple(s.get(k) if k != "split" else run_split(run) for k in JOIN)
         key = tuple(float(v) if k == "temperature" else v for k, v in zip(JOIN, key))
@@ -180,5 +182,5 @@ def validation(ctx: ReportContext) -> str:
                      f"{err.median():.1f} %, worst {err.max():.1f} %, mean signed "
                      f"{timing['error_pct'].mean():+.1f} % over {len(timing)} runs "
                      "(`validation_timing.csv`). The rest of the error above is acceptance that "
-                     "differs between the calibrate and the held-out prompts.")
+                     "differs between the trace prompts and the predicted ones.")
     return "\n".join(lines)
