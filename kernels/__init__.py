@@ -7,10 +7,10 @@ everywhere at once. A replacement must accept the reference's arguments and layo
 Defaults: the PyTorch references of ``kernels/reference.py``, except on CPU (``kernels/cpu.py``):
 the GEMM ops (linear, swiglu) use oneDNN where available (~2x faster batch-1 decode than
 MKL's GEMV) and attention over few queries is two explicit matmuls (faster than SDPA there).
-Where the native kernels build (``kernels/native.py``: a C++ compiler, x86 AVX-512 or any CPU
-with a slower generic path), GEMVs over <= 8 tokens stream weights with a hand-written kernel
-and ``decode_layers`` runs a whole run of decoder layers in one call (decode and short
-verifications at batch 1); everything else keeps the ops above.
+Where the native kernels build (``kernels/native.py``: a C++ compiler; x86 AVX-512 or AVX2+FMA,
+or any CPU with a slower generic path), GEMVs over <= 8 tokens stream weights with a
+hand-written kernel and ``decode_layers`` runs a whole run of decoder layers in one call (decode
+and short verifications at batch 1); everything else keeps the ops above.
 ``reset()`` restores these defaults, ``use_reference()`` the plain references everywhere.
 """
 

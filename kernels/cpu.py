@@ -7,7 +7,8 @@ own compiler uses for CPU linears, ``mkldnn::_linear_pointwise``) streams the sa
 ~35 GB/s, so batch-1 decode, which is bound by reading weights, runs ~2x faster
 (benchmarks/bench_decode.py). Results equal ``F.linear``'s up to summation order (~1e-4).
 
-Used only for CPU fp32/bf16 tensors; anything else falls back to the reference.
+Used only for CPU fp32/bf16 tensors whose dtype oneDNN supports on this CPU; anything else falls
+back to the reference.
 """
 
 from __future__ import annotations
@@ -21,23 +22,28 @@ from kernels import reference
 _OP = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 
 
-def _probe() -> bool:
-    # The op is internal to PyTorch: use it only if it exists here and agrees with F.linear.
+def _probe(dtype: torch.dtype) -> bool:
+    # The op is internal to PyTorch: use it only if it exists here and agrees with F.linear in
+    # this dtype. Probed per dtype because oneDNN has no bf16 inner product on CPUs without
+    # AVX512 (an AVX2-only EPYC raises "could not create a primitive descriptor").
     if _OP is None or not torch.backends.mkldnn.is_available():
         return False
     try:
-        x, w = torch.randn(3, 64), torch.randn(32, 64)
-        return bool(torch.allclose(_OP(x, w, None, "none", [], ""), F.linear(x, w), atol=1e-4))
+        x, w = torch.randn(3, 64).to(dtype), torch.randn(32, 64).to(dtype)
+        tol = 1e-4 if dtype == torch.float32 else 0.1
+        return bool(torch.allclose(_OP(x, w, None, "none", [], "").float(), F.linear(x, w).float(),
+                                   atol=tol, rtol=tol))
     except (RuntimeError, NotImplementedError):
         return False
 
 
-AVAILABLE: bool = _probe()
+DTYPES: frozenset[torch.dtype] = frozenset(d for d in (torch.float32, torch.bfloat16) if _probe(d))
+AVAILABLE: bool = torch.float32 in DTYPES
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight.T via oneDNN on CPU (fp32/bf16), else the reference."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dtype == weight.dtype:
+    """x @ weight.T via oneDNN on CPU for the dtypes it supports here, else the reference."""
+    if x.device.type == "cpu" and x.dtype in DTYPES and x.dtype == weight.dtype:
         return _OP(x, weight, None, "none", [], "")
     return reference.linear(x, weight)
 

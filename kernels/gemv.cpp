@@ -14,14 +14,28 @@
 // Accumulation is fp32 (like oneDNN/MKL); bf16 weights/activations are multiplied exactly and the
 // output rounded to nearest-even. Threads: OpenMP over rows; this library links the same libgomp
 // soname as PyTorch, so it shares PyTorch's runtime (the caller passes torch's thread count).
+//
+// What runs where (chosen at compile time by -march=native; sb_has_avx512 reports the first):
+//   - AVX-512F (e.g. AMD Zen 4, Intel Skylake-SP and later): 16-lane dot_row for fp32 weights;
+//     bf16 weights with one vdpbf16ps per 32 pairs where AVX512-BF16 exists, else widened by
+//     shift/mask; vectorised exp; 16-key transposed attention scores for many query rows.
+//   - AVX2 + FMA without AVX-512 (e.g. AMD Zen 2/3, Intel Haswell to Comet Lake): the same
+//     design with 8-lane vectors (bf16 widened by shift/mask 16 at a time), tuned separately
+//     (partial sums, prefetch distance) on an AVX2-only AMD EPYC.
+//   - anything else: scalar loops that the compiler vectorises (`omp simd`), one token at a time.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <omp.h>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
+#define SB_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SB_AVX2 1
 #endif
 
 namespace {
@@ -45,20 +59,39 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even (NaN kept quiet
 
 // out[t] = W[row] . x[t] for one row of K weights, read front to back. One sequential stream
 // per core is what the hardware prefetchers handle best: blocking several rows (R interleaved
-// streams, even with software prefetch) streamed ~20% slower here. U partial sums per token
-// keep enough independent FMA chains in flight when T is small.
+// streams, even with software prefetch) streamed ~20% slower on the AVX-512 machine. U partial
+// sums per token keep enough independent FMA chains in flight when T is small. AVX2 (8 lanes)
+// measured best with the same U as AVX-512 at T = 1 (4: 8 made the per-row reduction cost more
+// than it saved on 576-wide rows) but U = 2 up to T = 4 (T = 3: +50% over 1).
 template <int T>
-constexpr int partial_sums() { return T == 1 ? 4 : (T == 2 ? 2 : 1); }
+constexpr int partial_sums() {
+#if defined(SB_AVX2)
+    return T == 1 ? 4 : (T <= 4 ? 2 : 1);
+#else
+    return T == 1 ? 4 : (T == 2 ? 2 : 1);
+#endif
+}
 
-// Software prefetch this far ahead of the loads (bytes; the next rows once near a row's end):
-// +15% over the hardware prefetchers alone on this CPU (AMD EPYC, 1 core: ~30 -> ~35 GB/s vs
-// ~40 GB/s for a plain sequential read). 1-8 KB all helped; 4 KB was the best measured.
-constexpr long kPrefetchBytes = 4096;
+// Software prefetch this far ahead of the loads (bytes; the next rows once near a row's end).
+// AVX-512 machine (AMD EPYC, 1 core): +15% over the hardware prefetchers alone (~30 -> ~35 GB/s
+// vs ~40 GB/s for a plain sequential read); 1-8 KB all helped; 4 KB was the best measured.
+// AVX2 machine (AMD EPYC Zen 3, 16-18 GB/s plain sequential read per core, where any software
+// prefetch slows that plain read down): over all the weights of SmolLM2's 30 layers, 1 KB was
+// the best distance for bf16 at every T (T = 1: 15 GB/s, vs 13.7 without, 12.5 with 4 KB) and
+// for fp32 from T = 2; fp32 at T = 1 streamed best 256 B ahead (17.5 GB/s, vs 15 with 1 KB).
+template <int T, typename W>
+constexpr long prefetch_bytes() {
+#if defined(SB_AVX2)
+    return sizeof(W) == 4 && T == 1 ? 256 : 1024;
+#else
+    return 4096;
+#endif
+}
 
-template <typename W>
+template <int T, typename W>
 inline void prefetch_ahead(const W* p) {
-#if defined(__AVX512F__)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+#if defined(SB_AVX512) || defined(SB_AVX2)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + prefetch_bytes<T, W>(), _MM_HINT_T0);
 #else
     (void)p;
 #endif
@@ -74,7 +107,7 @@ inline void dot_row(const float* w, long K, const float* x, long xs, float out[T
     long k = 0;
     for (; k + 16 * U <= K; k += 16 * U)
         for (int u = 0; u < U; ++u) {
-            prefetch_ahead(w + k + 16 * u);
+            prefetch_ahead<T>(w + k + 16 * u);
             const __m512 wv = _mm512_loadu_ps(w + k + 16 * u);
             for (int t = 0; t < T; ++t)
                 acc[u][t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + t * xs + k + 16 * u), acc[u][t]);
@@ -106,7 +139,7 @@ inline void dot_row(const uint16_t* w, long K, const float* xraw, long xs, float
     long k = 0;
     for (; k + 32 * U <= K; k += 32 * U)
         for (int u = 0; u < U; ++u) {
-            prefetch_ahead(w + k + 32 * u);
+            prefetch_ahead<T>(w + k + 32 * u);
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);
             for (int t = 0; t < T; ++t)
                 acc[u][t] = _mm512_dpbf16_ps(acc[u][t], wv, (__m512bh)_mm512_loadu_si512(x + t * xs + k + 32 * u));
@@ -126,13 +159,14 @@ inline void dot_row(const uint16_t* w, long K, const float* xraw, long xs, float
 // bf16 on AVX-512 without BF16 instructions: 32 weights per load, widened without shuffles (the
 // even elements are the low halves of the 32-bit lanes: shift left 16; the odd ones the high
 // halves: mask), against x laid out per 32-chunk as 16 evens then 16 odds (prepare_input).
+constexpr long kBf16Chunk = 32;  // weights per load
 template <int T>
 inline void dot_row(const uint16_t* w, long K, const float* x, long xs, float out[T]) {
     const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     __m512 even[T], odd[T];
     for (int t = 0; t < T; ++t) even[t] = odd[t] = _mm512_setzero_ps();
     for (long k = 0; k < K; k += 32) {
-        prefetch_ahead(w + k);
+        prefetch_ahead<T>(w + k);
         const __m512i raw = K - k >= 32 ? _mm512_loadu_si512(w + k) : _mm512_maskz_loadu_epi16(mask32(K - k), w + k);
         const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
         const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(raw, hi));
@@ -144,8 +178,96 @@ inline void dot_row(const uint16_t* w, long K, const float* x, long xs, float ou
     for (int t = 0; t < T; ++t) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(even[t], odd[t]));
 }
 #endif
+#elif defined(SB_AVX2)
+// AVX2 + FMA (e.g. AMD Zen 2/3 without AVX-512): the same design with 8-lane vectors.
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline __m256i first_lanes(long n) {  // lanes [0, n) set (all for n >= 8)
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+template <int T>
+inline void dot_row(const float* w, long K, const float* x, long xs, float out[T]) {
+    constexpr int U = partial_sums<T>();
+    constexpr int V = U < 2 ? 2 : U;  // vectors per step: at least a 64-byte line (one prefetch)
+    __m256 acc[U][T];
+    for (int u = 0; u < U; ++u)
+        for (int t = 0; t < T; ++t) acc[u][t] = _mm256_setzero_ps();
+    long k = 0;
+    for (; k + 8 * V <= K; k += 8 * V)
+        for (int v = 0; v < V; ++v) {
+            if (v % 2 == 0) prefetch_ahead<T>(w + k + 8 * v);
+            const __m256 wv = _mm256_loadu_ps(w + k + 8 * v);
+            for (int t = 0; t < T; ++t)
+                acc[v % U][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * xs + k + 8 * v), acc[v % U][t]);
+        }
+    for (; k + 8 <= K; k += 8) {
+        const __m256 wv = _mm256_loadu_ps(w + k);
+        for (int t = 0; t < T; ++t) acc[0][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * xs + k), acc[0][t]);
+    }
+    if (k < K) {  // masked loads: nothing past the row (or past x) is read
+        const __m256i m = first_lanes(K - k);
+        const __m256 wv = _mm256_maskload_ps(w + k, m);
+        for (int t = 0; t < T; ++t)
+            acc[0][t] = _mm256_fmadd_ps(wv, _mm256_maskload_ps(x + t * xs + k, m), acc[0][t]);
+    }
+    for (int t = 0; t < T; ++t) {
+        for (int u = 1; u < U; ++u) acc[0][t] = _mm256_add_ps(acc[0][t], acc[u][t]);
+        out[t] = hsum(acc[0][t]);
+    }
+}
+
+// bf16 weights: 16 per load, widened without shuffles as in the AVX-512 path (evens: shift left
+// 16; odds: mask the high halves), against x laid out per 16-chunk as 8 evens then 8 odds
+// (prepare_input). The 2 half-vectors of a chunk go to different partial sums where there are.
+constexpr long kBf16Chunk = 16;  // weights per load
+template <int T>
+inline void dot_row(const uint16_t* w, long K, const float* x, long xs, float out[T]) {
+    constexpr int U = partial_sums<T>();
+    constexpr int C = U < 4 ? 2 : U / 2;  // 16-weight chunks per step (>= a 64-byte line)
+    const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    __m256 acc[U][T];
+    for (int u = 0; u < U; ++u)
+        for (int t = 0; t < T; ++t) acc[u][t] = _mm256_setzero_ps();
+    long k = 0;
+    for (; k + 16 * C <= K; k += 16 * C)
+        for (int c = 0; c < C; ++c) {
+            if (c % 2 == 0) prefetch_ahead<T>(w + k + 16 * c);
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k + 16 * c));
+            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, hi));
+            for (int t = 0; t < T; ++t) {
+                const float* xt = x + t * xs + k + 16 * c;
+                acc[2 * c % U][t] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xt), acc[2 * c % U][t]);
+                acc[(2 * c + 1) % U][t] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xt + 8), acc[(2 * c + 1) % U][t]);
+            }
+        }
+    for (; k < K; k += 16) {  // x is zero-padded to a multiple of 16; the weights are copied
+        alignas(32) uint16_t tail[16] = {};
+        const uint16_t* wk = w + k;
+        if (K - k < 16) {
+            std::memcpy(tail, w + k, (K - k) * sizeof(uint16_t));
+            wk = tail;
+        }
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk));
+        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, hi));
+        for (int t = 0; t < T; ++t) {
+            acc[0][t] = _mm256_fmadd_ps(we, _mm256_loadu_ps(x + t * xs + k), acc[0][t]);
+            acc[0][t] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(x + t * xs + k + 8), acc[0][t]);
+        }
+    }
+    for (int t = 0; t < T; ++t) {
+        for (int u = 1; u < U; ++u) acc[0][t] = _mm256_add_ps(acc[0][t], acc[u][t]);
+        out[t] = hsum(acc[0][t]);
+    }
+}
 #else
-// Portable fallback (no AVX-512): the compiler vectorises the reduction.
+// Portable fallback (no AVX-512 or AVX2+FMA): the compiler vectorises the reduction.
 template <typename W>
 inline float widen(W v) { return static_cast<float>(v); }
 template <>
@@ -172,10 +294,11 @@ inline void store_act(A* p, long i, float v) {
     if constexpr (sizeof(A) == 2) p[i] = f32_to_bf16(v); else p[i] = v;
 }
 
-// exp over n floats in place. AVX-512: 2^(x log2 e) by range reduction (n = round(x log2 e),
-// r = x - n ln 2 in two steps), a degree-6 Taylor polynomial on |r| <= ln2/2 (relative error
-// < 2e-7, about 2 ulp) and scalef; inputs below -104 (also -inf) give 0. Scalar expf costs
-// ~0.3 ms per token here (SwiGLU over 30 x 1536 rows + softmax).
+// exp over n floats in place. AVX-512 and AVX2: 2^(x log2 e) by range reduction (n = round(x
+// log2 e), r = x - n ln 2 in two steps), a degree-6 Taylor polynomial on |r| <= ln2/2 (relative
+// error < 2e-7, about 2 ulp) and 2^n (scalef; AVX2: exponent bits); inputs are clamped to
+// [-104, 88.7], so below -104 (also -inf) give 0 and large ones stay finite. Scalar expf
+// costs ~0.3 ms per token (AVX-512 machine; SwiGLU over 30 x 1536 rows + softmax).
 inline void exp_inplace(float* x, long n) {
     long i = 0;
 #if defined(__AVX512F__)
@@ -192,6 +315,26 @@ inline void exp_inplace(float* x, long n) {
         __m512 p = _mm512_set1_ps(c[6]);
         for (int j = 5; j >= 0; --j) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[j]));
         _mm512_mask_storeu_ps(x + i, m, _mm512_scalef_ps(p, k));
+    }
+#elif defined(SB_AVX2)
+    // no scalef: 2^k (k in [-150, 128]) as two factors 2^(k/2) 2^(k - k/2), each a normal float
+    // built in the exponent bits, so that results below FLT_MIN round to subnormals (or 0) once.
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), ln2_hi = _mm256_set1_ps(0.693359375f),
+                 ln2_lo = _mm256_set1_ps(-2.12194440e-4f), lo = _mm256_set1_ps(-104.f),
+                 hi = _mm256_set1_ps(88.7f);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const float c[7] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720};
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_loadu_ps(x + i), lo), hi);  // NaN, -inf -> -104
+        const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256 r = _mm256_fnmadd_ps(k, ln2_hi, v);
+        r = _mm256_fnmadd_ps(k, ln2_lo, r);
+        __m256 p = _mm256_set1_ps(c[6]);
+        for (int j = 5; j >= 0; --j) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c[j]));
+        const __m256i ki = _mm256_cvtps_epi32(k), k1 = _mm256_srai_epi32(ki, 1), k2 = _mm256_sub_epi32(ki, k1);
+        const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
+        const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23));
+        _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_mul_ps(p, s1), s2));
     }
 #endif
     for (; i < n; ++i) x[i] = std::exp(x[i]);
@@ -241,9 +384,10 @@ void swiglu_t(const float* xf, long xs, const W* w, A* y, long F, long K, int th
     for (long i = 0; i < T * F; ++i) store_act(y, i, gate[i] / (1.f + e[i]) * up[i]);  // silu(g) * u
 }
 
-// The activations as fp32 rows for dot_row; returns the row stride. fp32: x itself. bf16
-// with AVX-512: per 32-element chunk, the 16 even elements then the 16 odd ones (matching the
-// shuffle-free widening of the weights), zero-padded to a multiple of 32.
+// The activations as fp32 rows for dot_row; returns the row stride. fp32: x itself. bf16: with
+// AVX512-BF16 x itself; with AVX-512F (AVX2) per 32 (16)-element chunk, the 16 (8) even elements
+// then the 16 (8) odd ones (matching the shuffle-free widening of the weights), zero-padded to
+// a multiple of the chunk; otherwise plain fp32.
 template <typename A>
 long prepare_input(const A* x, long T, long K, std::vector<float>& buf, const float** xf) {
     if constexpr (sizeof(A) == 4) {
@@ -254,12 +398,13 @@ long prepare_input(const A* x, long T, long K, std::vector<float>& buf, const fl
         (void)T; (void)buf;
         *xf = reinterpret_cast<const float*>(x);  // dot_block reads the bf16 pairs directly
         return K;
-#elif defined(__AVX512F__)
-        const long kp = (K + 31) / 32 * 32;
+#elif defined(SB_AVX512) || defined(SB_AVX2)
+        constexpr long C = kBf16Chunk;
+        const long kp = (K + C - 1) / C * C;
         buf.assign(T * kp, 0.f);
         for (long t = 0; t < T; ++t)
             for (long k = 0; k < K; ++k)
-                buf[t * kp + (k / 32) * 32 + (k % 2) * 16 + (k % 32) / 2] = bf16_to_f32(x[t * K + k]);
+                buf[t * kp + (k / C) * C + (k % 2) * (C / 2) + (k % C) / 2] = bf16_to_f32(x[t * K + k]);
         *xf = buf.data();
         return kp;
 #else
@@ -408,12 +553,31 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
                     _mm512_mask_storeu_ps(p + (r * T + t) * S + s0, m, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
                 }
         }
+    }
+#elif defined(SB_AVX2)
+    if (rows >= 4) {  // as above, 8 keys at a time
+        alignas(32) float kt[512 * 8];
+        for (; s0 < S; s0 += 8) {
+            const long nb = S - s0 < 8 ? S - s0 : 8;
+            for (long j = 0; j < 8; ++j)
+                for (long i = 0; i < d; ++i) kt[i * 8 + j] = j < nb ? load_act(kh + (s0 + j) * d, i) : 0.f;
+            const __m256i m = first_lanes(nb);
+            for (long r = 0; r < rep; ++r)
+                for (long t = 0; t < T; ++t) {
+                    const float* qh = q + t * qkv + (g * rep + r) * d;
+                    __m256 acc = _mm256_setzero_ps();
+                    for (long i = 0; i < d; ++i)
+                        acc = _mm256_fmadd_ps(_mm256_set1_ps(qh[i]), _mm256_load_ps(kt + i * 8), acc);
+                    _mm256_maskstore_ps(p + (r * T + t) * S + s0, m, _mm256_mul_ps(acc, _mm256_set1_ps(scale)));
+                }
+        }
+    }
+#endif
+    if (s0 > 0)  // the blocked scores above: the mask now
         for (long r = 0; r < rep; ++r)
             for (long t = 0; t < T; ++t)
                 for (long s = 0; s < S; ++s)
                     if (!(mask ? mask[t * S + s] != 0 : s <= slots[t])) p[(r * T + t) * S + s] = -INFINITY;
-    }
-#endif
     float kv[512];
     for (long s = s0; s < S; ++s) {
         for (long i = 0; i < d; ++i) kv[i] = load_act(kh + s * d, i);

@@ -1,11 +1,18 @@
 """Native weight-streaming GEMV kernels (kernels/gemv.cpp), compiled on first use, called via ctypes.
 
 Why: batch-1 decode reads every weight once per token, so its speed is the rate at which the
-GEMMs stream weights. On this project's CPU (AMD EPYC, AVX-512, one thread) oneDNN's matmul
-streams fp32 weights at ~25 GB/s and MKL's at ~16 GB/s, against ~39 GB/s of read-only
-bandwidth; the ~150-line kernel in gemv.cpp (R rows at a time, every weight loaded once and used
-for all T <= 8 tokens) gets much closer (benchmarks/bench_decode.py --ablate). It also fuses
-the residual add and SwiGLU, removing two passes and two Python-level ops per layer.
+GEMMs stream weights. On an AVX-512 AMD EPYC (one thread) oneDNN's matmul streams fp32 weights
+at ~25 GB/s and MKL's at ~16 GB/s, against ~39 GB/s of read-only bandwidth; the kernel in
+gemv.cpp (one row at a time, read front to back, every weight loaded once and used for all
+T <= 8 tokens) gets much closer (benchmarks/bench_decode.py --ablate). It also fuses the
+residual add and SwiGLU, removing two passes and two Python-level ops per layer.
+
+Which code runs is fixed at build time by ``-march=native`` (see the top of gemv.cpp):
+hand-written AVX-512 paths (with AVX512-BF16 for bf16 where present) on CPUs that have
+AVX-512F, AVX2+FMA paths of the same design on CPUs without it (an AVX2-only AMD EPYC Zen 3:
+decode at ~85-90% of one core's read-only bandwidth; over the portable path bf16 decode is
+~1.15-1.4x and 4-8 token verifications ~2-2.7x faster; oneDNN has no bf16 inner product
+there), and a portable ``omp simd`` path elsewhere.
 
 Build: ``$CXX`` (else g++/c++) ``-O3 -march=native -fopenmp``, cached under
 ``$XDG_CACHE_HOME/specbed`` (default ``~/.cache/specbed``) by a hash of the source, flags,

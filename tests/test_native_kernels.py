@@ -37,6 +37,35 @@ def test_linear_and_swiglu_match_f_linear(t: int) -> None:
     torch.testing.assert_close(got.float(), F.linear(xb.float(), wb.float()), atol=0.1, rtol=0.01)
 
 
+@pytest.mark.parametrize("k", [1, 5, 8, 24, 45, 50, 100])
+@pytest.mark.parametrize("t", [1, 2, 3, 5, 8])
+def test_linear_row_lengths(t: int, k: int) -> None:
+    # Row lengths around the vector steps of every SIMD path (8/16/32 elements, 1-4 vectors per
+    # step): full steps, single full vectors after them, partial tails, rows shorter than a vector.
+    x, w = torch.randn(1, t, k, generator=gen(7)), torch.randn(19, k, generator=gen(8))
+    torch.testing.assert_close(native.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    # bf16 products are exact and summed in fp32: only the summation order and the output rounding
+    expected = F.linear(xb.float(), wb.float())
+    torch.testing.assert_close(native.linear(xb, wb).float(), expected, atol=1e-3, rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -8)])
+def test_swiglu_exp_range(dtype: torch.dtype, rtol: float) -> None:
+    # K = 1 and x = 1: the gates are the weights themselves, so silu (the vectorised exp of -g)
+    # is checked from -1e6 to 1e6, including |g| past the range reduction's clamps.
+    gates = torch.cat([torch.linspace(-87, 87, 1001),
+                       torch.tensor([-1e6, -1e4, -200., -104., -100., -88.8, 88.8, 100., 104., 200., 1e4, 1e6])])
+    gate_up = torch.cat([gates, torch.linspace(0.5, 2, gates.numel())])[:, None].to(dtype)
+    x = torch.ones(1, 1, 1, dtype=dtype)
+    got = native.swiglu_fused(x, gate_up).float()
+    g, u = gate_up.float()[:, 0].chunk(2)
+    expected = F.silu(g) * u
+    assert torch.isfinite(got).all()
+    # below g = -88.7 the kernel clamps exp(-g) to exp(88.7): |silu| ~ |g| * 3e-39 instead of ~0
+    torch.testing.assert_close(got.flatten(), expected, atol=1e-30, rtol=rtol)
+
+
 def test_more_than_eight_tokens_fall_back() -> None:
     x, w = torch.randn(2, 9, 64, generator=gen(3)), torch.randn(32, 64, generator=gen(4))
     torch.testing.assert_close(native.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-4)
