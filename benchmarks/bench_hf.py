@@ -16,8 +16,9 @@ Rows (greedy, batch 1, every row generates exactly ``--new-tokens`` tokens: EOS 
   (transformers 5.x itself defaults to "constant", 20 tokens, threshold 0.4.)
 HF rows exclude prefill the same way: (N - 1) tokens / (time of generate(N) - time of generate(1)).
 
-Prompts: HumanEval (data/humaneval.jsonl) through ``testbed.workloads.render`` — code prompts are
-completion style, so they are fed as raw text (no chat template), exactly as the real engine does;
+Prompts: HumanEval (data/humaneval.jsonl, the ``holdout`` split, which the draft never saw)
+through ``testbed.workloads.render``: code prompts are completion style, so they are fed as raw
+text (no chat template), exactly as the real engine does;
 HF receives the very token ids our tokenizer produced. The draft is ``models/smollm2-draft``
 (``--draft``) when it exists; otherwise a *random* 3-layer LlamaForCausalLM with the target's
 vocabulary is created in a temporary directory, for wiring only (it accepts almost nothing, so
@@ -192,7 +193,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{draft_dir} not found: a RANDOM draft stands in (wiring only; speculation "
                   "rows measure overhead, not speedup)")
             draft_dir = random_draft_dir(Path(tmp))
+        # held-out prompts: the trained draft learned from the `calibrate` split
         overrides = ["backend=real", "pair=smollm2_135m+smollm2_draft", "workload=humaneval",
+                     "workload.split=holdout",
                      f"workload.num_prompts={args.prompts}", f"workload.max_new_tokens={args.new_tokens}",
                      f"schedule.gamma={args.gamma}", "real.ignore_eos=true", "real.progress=false",
                      f"real.threads={args.threads}", f"real.dtype={args.dtype}",

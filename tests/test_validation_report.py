@@ -10,21 +10,22 @@ import pytest
 
 from testbed.recorder import RunRecorder, RunResult
 from testbed.report import build_report
-from testbed.report.sections_validate import validation_frame
+from testbed.report.sections_validate import sibling_replay_frame, validation_frame
 from testbed.results import find_runs, write_run
 from tests.conftest import compose_exp
 
 
 def write_fake_run(path: Path, backend: str, split: str, decode_s: float, accepted: int,
-                   gamma: int = 4) -> None:
-    """One request of 40 tokens decoded in `decode_s`; every round keeps `accepted` guesses."""
+                   gamma: int = 4, round_s: float = 0.0) -> None:
+    """One request of 40 tokens decoded in `decode_s`; every round keeps `accepted` guesses and
+    lasts `round_s`."""
     exp = compose_exp(f"backend={backend}", "pair=smollm2_135m+ngram3", "hardware=local",
                       "workload=humaneval", f"workload.split={split}", f"schedule.gamma={gamma}")
     rec = RunRecorder()
     generated, r = 0, 0
     while generated < 40:
         e = min(accepted + 1, 40 - generated)
-        rec.round(0, r, 0.0, 0.0, gamma, accepted + 1, accepted, e, gamma + 1, 0.0, 0.0)
+        rec.round(0, r, r * round_s, (r + 1) * round_s, gamma, accepted + 1, accepted, e, gamma + 1, 0.0, 0.0)
         generated += e
         r += 1
     rec.request(0, "HumanEval/0", 100, [], 40, 0.1, decode_s, r)
@@ -69,3 +70,20 @@ def test_no_validation_section_without_both_backends(tmp_path: Path) -> None:
     assert validation_frame(find_runs([tmp_path])).empty
     build_report([tmp_path], tmp_path / "r")
     assert not (tmp_path / "r" / "validation.csv").exists()
+
+
+def test_real_predicting_real_is_the_timing_noise(tmp_path: Path) -> None:
+    """The trace run's round times replayed on the measured run's rounds: 10 rounds of 20 ms
+    there, 12 ms per round here (same γ, same acceptance) -> predicted 40/(10·0.020) = 200 tok/s
+    against 40/(10·0.012) = 333 tok/s measured: -40 %."""
+    write_fake_run(tmp_path / "0", "real", "trace", decode_s=0.2, accepted=3, round_s=0.020)
+    write_fake_run(tmp_path / "1", "real", "test", decode_s=0.12, accepted=3, round_s=0.012)
+    write_fake_run(tmp_path / "2", "sim", "test", decode_s=0.2, accepted=3)
+    runs = find_runs([tmp_path])
+    noise = sibling_replay_frame(runs, validation_frame(runs))
+    assert len(noise) == 1 and noise["split"].iloc[0] == "test"
+    assert noise["measured"].iloc[0] == pytest.approx(40 / 0.12)
+    assert noise["predicted"].iloc[0] == pytest.approx(200.0)
+    assert noise["error_pct"].iloc[0] == pytest.approx(-40.0)
+    md = build_report([tmp_path], tmp_path / "report").read_text()
+    assert "Real predicting real" in md and (tmp_path / "report" / "validation_noise.csv").exists()

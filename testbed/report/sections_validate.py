@@ -19,7 +19,7 @@ import seaborn as sns
 from testbed.metrics import KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
 from testbed.results import Run
-from testbed.workloads import TRACE_SPLITS
+from testbed.workloads import TRACE_SOURCE, TRACE_SPLITS
 
 METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len", "ar_tokens_per_s", "speedup")
 PARITY_METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len")
@@ -115,6 +115,61 @@ def timing_only_frame(runs: list[Run], val: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def sibling_replay(measured: Run, source: Run) -> float | None:
+    """tokens/s of `measured` if each of its rounds had taken the time that rounds with as many
+    verified tokens took in `source` (the same configuration on the trace prompts, a minute
+    earlier): the median round time per verified-token count, scaled by source's ratio of
+    decode time to those medians (inter-round overhead). A real run predicting a real run."""
+    cols = ["request_id", "start_s", "end_s", "verified_tokens"]
+    try:
+        src = pd.read_parquet(source.path / "rounds.parquet", columns=cols)
+        mes = pd.read_parquet(measured.path / "rounds.parquet", columns=cols)
+        src_req = pd.read_parquet(source.path / "requests.parquet", columns=["decode_s"])
+        mes_req = pd.read_parquet(measured.path / "requests.parquet", columns=["request_id", "generated"])
+    except (FileNotFoundError, KeyError, ValueError):
+        return None
+    src = src.assign(dur=src["end_s"] - src["start_s"])
+    med = src.groupby("verified_tokens")["dur"].median()
+    if med.empty or (med <= 0).all():
+        return None
+    ks = med.index.to_numpy()
+
+    def at(k: int) -> float:  # the nearest verified-token count the source run has
+        return float(med.iloc[int(abs(ks - k).argmin())])
+
+    modelled = float(sum(at(k) for k in src["verified_tokens"]))
+    scale = float(src_req["decode_s"].sum()) / modelled if modelled > 0 else 1.0
+    seconds = mes.groupby("request_id")["verified_tokens"].apply(lambda v: scale * sum(at(k) for k in v))
+    rates = [g / seconds[r] for r, g in zip(mes_req["request_id"], mes_req["generated"])
+             if seconds.get(r, 0.0) > 0]
+    return sum(rates) / len(rates) if rates else None
+
+
+def sibling_replay_frame(runs: list[Run], val: pd.DataFrame) -> pd.DataFrame:
+    """Every measured real run against its trace-source real run replayed on its rounds: the
+    run-to-run timing noise of the machine, a floor for any latency model's tokens/s error."""
+    def key(run: Run) -> tuple:
+        s = run.summary
+        return tuple(float(s.get(k)) if k == "temperature" else s.get(k) for k in JOIN if k != "split")
+
+    real = [r for r in runs if r.summary.get("backend") == "real" and r.summary.get("schedule") == "sync"]
+    sources = {(key(r), run_split(r)): r for r in real if run_split(r) in TRACE_SPLITS}
+    measured = {tuple(r[k] for k in JOIN) for _, r in val.iterrows()} if len(val) else set()
+    rows = []
+    for run in real:
+        split = run_split(run)
+        src = sources.get((key(run), TRACE_SOURCE.get(split, "")))
+        if src is None or (*key(run), split) not in measured or not run.summary.get("tokens_per_s"):
+            continue
+        pred = sibling_replay(run, src)
+        if pred is None:
+            continue
+        got = float(run.summary["tokens_per_s"])
+        rows.append({**dict(zip(JOIN, (*key(run), split))), "predicted": pred, "measured": got,
+                     "error_pct": 100.0 * (pred - got) / got})
+    return pd.DataFrame(rows)
+
+
 def error_stats(val: pd.DataFrame) -> pd.DataFrame:
     """Per metric: experiments, median |error|, worst |error|, mean signed error (%)."""
     g = val.assign(abs_err=val["error_pct"].abs()).groupby("metric", sort=False)
@@ -183,4 +238,14 @@ def validation(ctx: ReportContext) -> str:
                      f"{timing['error_pct'].mean():+.1f} % over {len(timing)} runs "
                      "(`validation_timing.csv`). The rest of the error above is acceptance that "
                      "differs between the trace prompts and the predicted ones.")
+    noise = sibling_replay_frame(ctx.runs, val)
+    if len(noise):
+        noise.to_csv(ctx.out_dir / "validation_noise.csv", index=False)
+        err = noise["error_pct"].abs()
+        lines.append(f"\nReal predicting real — each measured run's rounds timed by the round times "
+                     f"of its trace-source real run (same configuration, run just before, other "
+                     f"prompts): tokens/s median |error| {err.median():.1f} %, worst {err.max():.1f} %, "
+                     f"mean signed {noise['error_pct'].mean():+.1f} % over {len(noise)} runs "
+                     "(`validation_noise.csv`). This is the machine's run-to-run timing noise: a "
+                     "latency model calibrated on one run cannot be expected to beat it.")
     return "\n".join(lines)
