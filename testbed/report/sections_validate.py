@@ -228,24 +228,23 @@ def validation(ctx: ReportContext) -> str:
     lines.append("Signed error per experiment (%):\n")
     lines.append(markdown_table(table, floatfmt="{:+.1f}") + "\n")
     lines.append("![parity](parity.png)\n")
-    timing = timing_only_frame(ctx.runs, val)
-    if len(timing):
-        timing.to_csv(ctx.out_dir / "validation_timing.csv", index=False)
-        err = timing["error_pct"].abs()
-        lines.append(f"Latency model alone — each measured run's *own* rounds timed by the profile, "
-                     f"rescaled as the prediction was (no acceptance transfer): tokens/s median |error| "
-                     f"{err.median():.1f} %, worst {err.max():.1f} %, mean signed "
-                     f"{timing['error_pct'].mean():+.1f} % over {len(timing)} runs "
-                     "(`validation_timing.csv`). The rest of the error above is acceptance that "
-                     "differs between the trace prompts and the predicted ones.")
-    noise = sibling_replay_frame(ctx.runs, val)
-    if len(noise):
-        noise.to_csv(ctx.out_dir / "validation_noise.csv", index=False)
-        err = noise["error_pct"].abs()
-        lines.append(f"\nReal predicting real — each measured run's rounds timed by the round times "
-                     f"of its trace-source real run (same configuration, run just before, other "
-                     f"prompts): tokens/s median |error| {err.median():.1f} %, worst {err.max():.1f} %, "
-                     f"mean signed {noise['error_pct'].mean():+.1f} % over {len(noise)} runs "
-                     "(`validation_noise.csv`). This is the machine's run-to-run timing noise: a "
-                     "latency model calibrated on one run cannot be expected to beat it.")
+    floors = [
+        (timing_only_frame(ctx.runs, val), "validation_timing.csv",
+         "Latency model alone — each measured run's *own* rounds timed by the profile, rescaled as "
+         "the prediction was (no acceptance transfer)",
+         "The rest of the error above is acceptance that differs between the trace prompts and the "
+         "predicted ones."),
+        (sibling_replay_frame(ctx.runs, val), "validation_noise.csv",
+         "Real predicting real — each measured run's rounds timed by the round times of its "
+         "trace-source real run (same configuration, run just before, other prompts)",
+         "This is the machine's run-to-run timing noise: a latency model calibrated on one run "
+         "cannot be expected to beat it."),
+    ]
+    for frame, csv, what, meaning in floors:
+        if len(frame):
+            frame.to_csv(ctx.out_dir / csv, index=False)
+            err = frame["error_pct"].abs()
+            lines.append(f"\n{what}: tokens/s median |error| {err.median():.1f} %, worst "
+                         f"{err.max():.1f} %, mean signed {frame['error_pct'].mean():+.1f} % over "
+                         f"{len(frame)} runs (`{csv}`). {meaning}")
     return "\n".join(lines)
