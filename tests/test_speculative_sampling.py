@@ -148,3 +148,52 @@ def test_top_k_then_top_p():
     probs = standardize(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.7))
     # top-3 renormalized: 4/9, 3/9, 2/9; nucleus for 0.7: 4/9 + 3/9 = 0.78 >= 0.7
     assert probs.tolist() == pytest.approx([4 / 7, 3 / 7, 0.0, 0.0])
+
+
+# ---- the top-p fast path against the full sort it replaced -----------------------------------
+def _full_sort_standardize(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Top-k then top-p by sorting the whole vocabulary (the implementation before the fast
+    path, kept here as the reference)."""
+    x = logits.float() / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    sorted_p = sorted_p.double()  # the fast path's prefix sums are float64 too
+    drop_sorted = torch.cumsum(sorted_p, dim=-1) - sorted_p >= params.top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return torch.softmax(x.masked_fill(drop, float("-inf")), dim=-1)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat (huge nucleus), heavy-tailed, peaked
+@pytest.mark.parametrize("params", [
+    SamplingParams(1.0, top_p=0.9), SamplingParams(0.7, top_p=0.5), SamplingParams(1.3, top_p=0.999),
+    SamplingParams(1.0, top_p=0.05), SamplingParams(1.0, top_k=50, top_p=0.9),
+    SamplingParams(0.8, top_k=2000, top_p=0.95)])
+def test_top_p_fast_path_equals_the_full_sort(scale, params):
+    """Same kept set exactly and the same probabilities, on a 49k vocabulary, for single rows
+    and for a verification batch."""
+    gen = torch.Generator().manual_seed(int(scale * 100) + params.top_k)
+    logits = torch.randn(6, 49152, generator=gen) * scale
+    fast = standardize(logits, params)
+    ref = _full_sort_standardize(logits, params)
+    assert torch.equal(fast > 0, ref > 0)
+    assert torch.allclose(fast, ref, atol=1e-7, rtol=1e-5)
+    for row in range(2):  # one row at a time, as a draft calls it
+        one = standardize(logits[row], params)
+        assert torch.equal(one > 0, ref[row] > 0)
+
+
+def test_top_p_fast_path_with_tied_probabilities():
+    """Ties at the nucleus boundary: the kept set is a most-probable prefix with the right mass,
+    whichever of the tied tokens the order put first."""
+    logits = torch.zeros(49152)
+    logits[:10] = 5.0  # ten tied leaders
+    for top_p in (0.3, 0.9):
+        probs = standardize(logits, SamplingParams(1.0, top_p=top_p))
+        full = torch.softmax(logits, -1)
+        kept = probs > 0
+        assert float(full[kept].sum()) >= top_p
+        assert float(full[kept].sum() - full[kept].min()) < top_p
+        assert float(full[kept].min()) >= float(full[~kept].max())
