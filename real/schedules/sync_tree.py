@@ -1,0 +1,71 @@
+"""`sync` + `schedule.tree=true` on real models: serial tree decoding, SwiftSpec-base (seed 002 §5.1).
+
+Draft and target share all devices of the placement (tensor parallel over them) and run one
+after the other. Per round the draft expands its token tree d times (w most probable leaves per
+forward; d = ``schedule.tree_depth``, or ``schedule.gamma`` when that is 0, as in the
+simulator) and at least until the tree holds bs nodes; the target verifies the most probable
+subtree of bs nodes in one tree-masked forward (testbed.spec.tree_verify) and the draft
+re-roots on the verified tokens, keeping the surviving subtree and its KV.
+Token distributions and caches: real.tree_tokens. The simulated twin: sim/schedules/sync_tree.py.
+"""
+
+from __future__ import annotations
+
+from real.tree_tokens import DraftTreeTokens, TargetTreeTokens, tree_models
+
+
+def expand_once(tree, toks: DraftTreeTokens, width: int, gen) -> bool:  # type: ignore[no-untyped-def]
+    """One draft forward on the w most probable leaves; False when nothing is left to expand."""
+    leaves = tree.leaves_to_expand(width)
+    if not leaves:
+        return False
+    tree.expand(leaves, toks.draft_dists(tree, leaves), num_children=width, generator=gen)
+    return True
+
+
+def serve_sync_tree(ctx, req) -> None:  # type: ignore[no-untyped-def]
+    from real.engine import _finish
+
+    exp, rec, rid = ctx.exp, ctx.rec, req.request_id
+    s = exp.schedule
+    width, budget, depth = s.tree_width, s.tree_budget, s.tree_depth or s.gamma
+    gen = ctx.generator(rid)
+    draft_model, target_model = tree_models(ctx)
+    ids = list(req.prompt_ids)
+    t = ctx.now()
+    ctx.target.prefill(ids)
+    m = ctx.now()
+    ctx.draft.start(ids)
+    prefill_s = ctx.now() - t
+    rec.span("target", "prefill", t, m, rid)
+    rec.span("draft", "prefill", m, t + prefill_s, rid)
+    dtoks = DraftTreeTokens(draft_model, ctx.params, list(ids), gen)
+    ttoks = TargetTreeTokens(target_model, ctx.params, gen)
+    tree = dtoks.new_tree()
+    start = ctx.now()
+    out: list[int] = []
+    done, r = False, 0
+    while not done:
+        t = ctx.now()
+        for _ in range(depth):
+            if not expand_once(tree, dtoks, width, gen):
+                break
+        while len(tree) < budget and expand_once(tree, dtoks, width, gen):
+            pass
+        batch = tree.select_subtree(budget)
+        m = ctx.now()
+        res = ttoks.verify(batch)
+        e = ctx.now()
+        before = len(out)
+        out, done = _finish(out, res.tokens, req.max_new_tokens, ctx.eos)
+        dtoks.commit(res.tokens)
+        dtoks.apply(tree.reroot(res.tokens))
+        rec.round(request_id=rid, round_idx=r, start_s=t, end_s=e, drafted=len(batch) - 1,
+                  checked=res.checked, accepted=res.accepted, emitted=len(out) - before,
+                  verified_tokens=len(batch), draft_s=m - t, target_s=e - m)
+        rec.span("draft", "draft", t, m, rid, r)
+        rec.span("target", "verify", m, e, rid, r)
+        ctx.on_tokens(len(out) - before)
+        r += 1
+    rec.request(rid, req.prompt_id, len(req.prompt_ids), out, len(out), prefill_s,
+                ctx.now() - start, r)
