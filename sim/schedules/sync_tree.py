@@ -16,7 +16,7 @@ from typing import Any
 
 from sim.context import SimContext, SimRequest
 from sim.schedules import register
-from sim.tree_tokens import TreeDrafter, tree_tokens
+from sim.tree_tokens import TimedTreeDrafter, tree_tokens
 
 
 @register("sync_tree")
@@ -24,7 +24,7 @@ def sync_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     env, cost, rec, exp = ctx.env, ctx.cost, ctx.rec, ctx.exp
     s = exp.schedule
     depth = s.tree_depth or s.gamma
-    drafter = TreeDrafter(ctx, tree_tokens(ctx, req))
+    drafter = TimedTreeDrafter(ctx, tree_tokens(ctx, req))
     rid = req.request_id
     t0 = env.now
     pf_target = cost.prefill("target", req.prompt_len)
