@@ -201,14 +201,14 @@ def drafts_to_measure(exp: ExperimentConfig) -> list[ModelConfig]:
 
 
 def _make_draft(exp: ExperimentConfig, draft: ModelConfig, target: Any, tokenizer: Any, params: Any) -> Any:
-    from real import engine
+    from real import loading
 
     e = copy.deepcopy(exp)
     e.pair.draft = draft
     e.schedule.name = "sync"
-    n_args = len(inspect.signature(engine.make_draft).parameters)
+    n_args = len(inspect.signature(loading.make_draft).parameters)
     args = (e, target, tokenizer, params)[:n_args]
-    return engine.make_draft(*args)
+    return loading.make_draft(*args)
 
 
 def _pick(greedy: bool, gen: torch.Generator) -> Callable[[torch.Tensor], int]:
