@@ -1,4 +1,6 @@
-"""Hydra callback for `+sweep=validate`: make sure a latency profile exists before any job runs.
+"""Hydra callback for `+sweep=validate` (conf/sweep/validate.yaml's ``_target_``): make sure a
+latency profile exists before any job runs. It lives in real/ because only the real backend
+measures; testbed imports no backend module.
 
 The simulator's `profile` cost model reads reports/profiles/<hardware>.json (real/calibrate.py
 writes it). When the sweep starts and the profile is missing, was measured with other threads
