@@ -19,6 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from testbed.config import ExperimentConfig, to_experiment
+from testbed.paths import CONF_DIR, repo_path
 
 
 def profile_is_current(path: Path, exp: ExperimentConfig) -> tuple[bool, str]:
@@ -56,10 +57,9 @@ def missing_draft_weights(pairs: list[str]) -> list[str]:
     """`pair=... : reason` for every pair whose draft model has no weights here."""
     from omegaconf import OmegaConf
 
-    from real.drafts import resolve_path
     from testbed.config import ModelConfig
 
-    conf = Path(__file__).resolve().parents[1] / "conf" / "model"
+    conf = CONF_DIR / "model"
     out = []
     for pair in pairs:
         draft = pair.strip().split("+", 1)[-1]
@@ -67,7 +67,7 @@ def missing_draft_weights(pairs: list[str]) -> list[str]:
         if not f.exists():
             continue  # preflight names unknown presets
         m = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(f))
-        if m.kind == "transformer" and (m.path is None or not resolve_path(m.path).exists()):
+        if m.kind == "transformer" and (m.path is None or not repo_path(m.path).exists()):
             out.append(f"pair={pair.strip()}: the draft's weights ({m.path}) are not here")
     return out
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 
 from real.context import RealRequest
-from real.drafts import Draft, EarlyExitDraft, ModelDraft, NgramDraft, resolve_path
+from real.drafts import Draft, EarlyExitDraft, ModelDraft, NgramDraft
 from real.errors import RealSetupError, WeightsNotFound
 from real.model import Transformer
 from real.tokenizer import Tokenizer
 from testbed.config import ExperimentConfig
+from testbed.paths import repo_path
 from testbed.spec.sampling import SamplingParams
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -26,7 +27,7 @@ def load(path: str | None, what: str, model_name: str, dtype: str) -> tuple[Tran
         raise RealSetupError(
             f"{what}.path is not set for {model_name!r}: backend=real needs local weights "
             f"(set {what}.path=DIR_OR_GGUF, or use the bundled pair=smollm2_135m+smollm2_draft)")
-    resolved = None if path is None else resolve_path(path)
+    resolved = None if path is None else repo_path(path)
     if resolved is not None and not resolved.exists():
         raise WeightsNotFound(str(path), f"set {what}.path to an existing .gguf file or checkpoint "
                               "directory (config.json, *.safetensors, tokenizer.json)")

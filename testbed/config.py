@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from testbed.paths import CONF_DIR
 from testbed.schedules import BACKENDS, SCHEDULES, unsupported
 
 LOOKAHEADS = ("static", "heuristic")
@@ -216,14 +217,13 @@ def register_resolvers() -> None:
 def register_configs() -> None:
     """Register the schema so Hydra type-checks every override against it, and every
     `pair=TARGET+DRAFT` combination of model presets (files in conf/pair/ take precedence)."""
-    from pathlib import Path
 
     from hydra.core.config_store import ConfigStore
 
     register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="experiment_schema", node=ExperimentConfig)
-    conf = Path(__file__).resolve().parents[1] / "conf"
+    conf = CONF_DIR
     models = sorted(p.stem for p in (conf / "model").glob("*.yaml"))
     files = {p.stem for p in (conf / "pair").glob("*.yaml")}
     for t in models:

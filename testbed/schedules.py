@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-ROOT = Path(__file__).resolve().parents[1]
+from testbed.paths import ROOT
+
 BACKENDS = ("sim", "real")  # values of backend=
 TREE_VARIANT = {"sync": "sync_tree"}  # schedule.tree=true selects this implementation
 MODULE_FILE = {"async": "async_tree"}  # implementation -> file stem, where they differ

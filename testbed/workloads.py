@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from testbed import backends
+from testbed.paths import DATA_DIR
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 REAL_WORKLOADS = ("humaneval", "mtbench", "alpaca")
 KINDS = ("code", "chat", "instruction")
 # calibrate | holdout: the two halves of a set (the trained draft learned from `calibrate` only).

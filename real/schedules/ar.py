@@ -25,7 +25,8 @@ def serve_ar(ctx: RealContext, req: RealRequest) -> None:
         e = ctx.now()
         ids.append(t)
         out, done = finish(out, [t], req.max_new_tokens, ctx.eos)
-        rec.round(rid, i, s, e, 0, 0, 0, 1, 1, 0.0, e - s)
+        rec.round(request_id=rid, round_idx=i, start_s=s, end_s=e, drafted=0, checked=0, accepted=0,
+                  emitted=1, verified_tokens=1, draft_s=0.0, target_s=e - s)
         rec.span("target", "decode", s, e, rid, i)
         ctx.on_tokens(1)
         i += 1

@@ -43,7 +43,9 @@ def serve_sync(ctx: RealContext, req: RealRequest) -> None:
         before = len(out)
         out, done = finish(out, step.tokens, req.max_new_tokens, ctx.eos)
         policy.observe(k, n)
-        rec.round(rid, r, s, e, k, n + (n < k), n, len(out) - before, k + 1, m - s, e - m)
+        rec.round(request_id=rid, round_idx=r, start_s=s, end_s=e, drafted=k, checked=n + (n < k),
+                  accepted=n, emitted=len(out) - before, verified_tokens=k + 1, draft_s=m - s,
+                  target_s=e - m)
         rec.span("draft", "draft", s, m, rid, r)
         rec.span("target", "verify", m, e, rid, r)
         ctx.on_tokens(len(out) - before)

@@ -98,8 +98,9 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
             out.extend(res.tokens[:emitted])
             generated += emitted
             seq_len += len(res.tokens)
-            rec.round(rid, r, t_prev, env.now, len(batch) - 1, res.checked, res.accepted, emitted,
-                      len(batch), draft_s, dt)
+            rec.round(request_id=rid, round_idx=r, start_s=t_prev, end_s=env.now,
+                      drafted=len(batch) - 1, checked=res.checked, accepted=res.accepted,
+                      emitted=emitted, verified_tokens=len(batch), draft_s=draft_s, target_s=dt)
             t_prev = env.now
             done = generated >= n_max
             env.process(deliver(to_draft, TOKEN_BYTES * (len(res.tokens) + 1), draft_inbox,

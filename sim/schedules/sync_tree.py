@@ -55,8 +55,9 @@ def sync_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         out.extend(res.tokens[:emitted])
         generated += emitted
         seq_len += len(res.tokens)
-        rec.round(rid, r, t_round, env.now, len(batch) - 1, res.checked, res.accepted, emitted,
-                  len(batch), draft_s, target_s)
+        rec.round(request_id=rid, round_idx=r, start_s=t_round, end_s=env.now,
+                  drafted=len(batch) - 1, checked=res.checked, accepted=res.accepted,
+                  emitted=emitted, verified_tokens=len(batch), draft_s=draft_s, target_s=target_s)
         rec.span("draft", "draft", t_round, t_round + draft_s, rid, r)
         rec.span("target", "verify", t_round + draft_s, env.now, rid, r)
         drafter.advance(res.tokens)
