@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import cpu, native, reference
-from real.generate import prefill
 from real.model import Transformer
+from real.runners import prefill
 from real.weights import load_model
 
 PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
@@ -117,7 +117,7 @@ def decode_run(model: Transformer, prompt_ids: list[int], new_tokens: int,
     """Prefill, then ``new_tokens`` greedy steps; returns each step's seconds."""
     times: list[float] = []
     with grad_ctx():
-        token = prefill(model, prompt_ids).argmax().view(1, 1)
+        token = prefill(model, prompt_ids, last_logits=True).argmax().view(1, 1)
         for _ in range(new_tokens):
             start = time.perf_counter()
             token = model(token)[:, -1].argmax(-1, keepdim=True)

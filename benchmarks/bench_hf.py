@@ -106,7 +106,7 @@ def ours(exp_overrides: list[str], runs: int) -> dict[str, dict]:
 
 def prompt_token_ids(exp_overrides: list[str]) -> list[list[int]]:
     """The token ids the engine feeds for this workload (the same requests as ``ours``)."""
-    from real.engine import build_requests, load
+    from real.loading import build_requests, load
 
     exp = compose_exp([*exp_overrides, "schedule=ar"])
     t = exp.pair.target

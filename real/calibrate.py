@@ -40,6 +40,8 @@ from typing import Any
 import torch
 
 from testbed.config import ExperimentConfig, ModelConfig
+from testbed.paths import CONF_DIR, repo_path
+from testbed.paths import profile_path as testbed_profile_path
 
 SCHEMA = 1
 TEMPERATURES = {"greedy": 0.0, "sample": 1.0}
@@ -169,9 +171,7 @@ def _draft_presets(target: ModelConfig) -> list[ModelConfig]:
     """Every model preset that can draft for `target` on this machine."""
     from omegaconf import OmegaConf
 
-    from real.drafts import resolve_path
-
-    conf = Path(__file__).resolve().parents[1] / "conf" / "model"
+    conf = CONF_DIR / "model"
     out = []
     for f in sorted(conf.glob("*.yaml")):
         m = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(f)))
@@ -183,32 +183,30 @@ def _draft_presets(target: ModelConfig) -> list[ModelConfig]:
         elif m.kind == "early_exit":
             if 1 <= m.exit_layer < target.layers and (m.tokenizer or target.tokenizer) == target.tokenizer:
                 out.append(m)
-        elif m.tokenizer and m.tokenizer == target.tokenizer and m.path and resolve_path(m.path).exists():
+        elif m.tokenizer and m.tokenizer == target.tokenizer and m.path and repo_path(m.path).exists():
             out.append(m)
     return out
 
 
 def drafts_to_measure(exp: ExperimentConfig) -> list[ModelConfig]:
     """The pair's draft first (when it can run here), then every other available draft."""
-    from real.drafts import resolve_path
-
     found = {m.name: m for m in _draft_presets(exp.pair.target)}
     d = exp.pair.draft
-    runnable = d.kind != "transformer" or (d.path is not None and resolve_path(d.path).exists())
+    runnable = d.kind != "transformer" or (d.path is not None and repo_path(d.path).exists())
     if d.name and d.name not in found and runnable:
         found = {d.name: d, **found}
     return list(found.values())
 
 
 def _make_draft(exp: ExperimentConfig, draft: ModelConfig, target: Any, tokenizer: Any, params: Any) -> Any:
-    from real import engine
+    from real import loading
 
     e = copy.deepcopy(exp)
     e.pair.draft = draft
     e.schedule.name = "sync"
-    n_args = len(inspect.signature(engine.make_draft).parameters)
+    n_args = len(inspect.signature(loading.make_draft).parameters)
     args = (e, target, tokenizer, params)[:n_args]
-    return engine.make_draft(*args)
+    return loading.make_draft(*args)
 
 
 def _pick(greedy: bool, gen: torch.Generator) -> Callable[[torch.Tensor], int]:
@@ -390,16 +388,13 @@ def measure_messages(sizes: list[int], repeats: int, timeout_s: float = 120.0) -
 
 # --------------------------------------------------------------------------------------- run
 def profile_path(exp: ExperimentConfig) -> Path:
-    from sim.cost_profile import default_profile_path, resolve_profile_path
-
-    return resolve_profile_path(exp) if exp.sim.profile_path else default_profile_path(exp.hardware.name)
+    return testbed_profile_path(exp)
 
 
 def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | None = None,
               log: Callable[[str], None] = print, messages: bool = True,
               out_path: Path | None = None) -> Path:
     """Measure and write the profile; returns its path."""
-    from real.drafts import resolve_path
     from real.weights import load_model
     from testbed.results import write_json
     from testbed.spec.sampling import SamplingParams
@@ -414,7 +409,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
     try:
         with torch.inference_mode():
             t = exp.pair.target
-            target, tokenizer = load_model(None if t.path is None else resolve_path(t.path),
+            target, tokenizer = load_model(None if t.path is None else repo_path(t.path),
                                            dtype=dtypes[exp.real.dtype], max_seq=64)
             log(f"calibrating {t.name} on {exp.hardware.name}: {torch.get_num_threads()} threads, {exp.real.dtype}")
             pr = Probes()

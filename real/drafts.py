@@ -10,11 +10,11 @@ accepted round), the following γ−1 forwards feed one guess each.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from pathlib import Path
 
 import torch
 
 from real.model import Transformer
+from real.runners import prefill
 from testbed.spec.sampling import SamplingParams, sample, standardize
 
 
@@ -94,10 +94,7 @@ class ModelDraft(_ForwardDraft):
 
     @torch.inference_mode()
     def start(self, prompt_ids: list[int]) -> None:
-        self.model.truncate(0)
-        if len(prompt_ids) > 1:
-            x = torch.tensor([prompt_ids[:-1]], device=self.model.device)
-            self.model.forward_layers(self.model.embed(x), 0)
+        prefill(self.model, prompt_ids[:-1])
         self.cached = len(prompt_ids) - 1
 
     def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
@@ -154,13 +151,3 @@ class NgramDraft(Draft):
                 gen: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
         guesses = self.lookup(ids, gamma)
         return guesses, one_hot(guesses, self.vocab)
-
-
-def resolve_path(path: str) -> Path:
-    """A model path as given, or relative to the repository root (presets ship relative paths)."""
-    p = Path(path).expanduser()
-    if not p.exists() and not p.is_absolute():
-        root = Path(__file__).resolve().parents[1]
-        if (root / p).exists():
-            return root / p
-    return p

@@ -9,15 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from real.model import Transformer
-
-
-@torch.inference_mode()
-def prefill(model: Transformer, prompt_ids: Sequence[int]) -> torch.Tensor:
-    """Run the prompt from slot 0; return the last position's fp32 logits ``[vocab]``."""
-    tokens = torch.tensor([list(prompt_ids)], device=model.device)
-    model.truncate(0)
-    h = model.forward_layers(model.embed(tokens), 0)
-    return model.head(h[:, -1:])[0, -1]  # the LM head only where a token is needed
+from real.runners import prefill
 
 
 @torch.inference_mode()
@@ -29,7 +21,9 @@ def greedy_generate(model: Transformer, prompt_ids: Sequence[int], max_new_token
                          f"the KV cache ({model.max_seq} slots)")
     eos = set(eos_token_ids)
     out: list[int] = []
-    token = prefill(model, prompt_ids).argmax().view(1, 1)
+    logits = prefill(model, prompt_ids, last_logits=True)
+    assert logits is not None, "greedy_generate needs a non-empty prompt"
+    token = logits.argmax().view(1, 1)
     for step in range(max_new_tokens):
         out.append(int(token))
         if out[-1] in eos or step == max_new_tokens - 1:

@@ -1,4 +1,6 @@
-"""The target side of a real run: prefill, then forwards that return standardized probabilities.
+"""The target side of a real run: prefill, then forwards that return standardized probabilities;
+and ``prefill``, the one prompt forward every model of the real backend uses (target, draft,
+the reference greedy loop).
 
 Slot convention (the same as sim/schedules): after ``prefill(ids)`` the cache holds ``ids[:-1]``;
 every decode or verification forward feeds the last committed token first, so the target's
@@ -7,10 +9,26 @@ cache never needs more than a truncate-free overwrite to roll back (gpt-fast's s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from real.model import Transformer
 from testbed.spec.sampling import SamplingParams, standardize
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, tokens: Sequence[int], *, last_logits: bool = False,
+            ) -> torch.Tensor | None:
+    """Reset ``model``'s cache and write ``tokens`` into slots ``0..len-1``. With
+    ``last_logits`` return the fp32 logits after the last token ``[V]`` (the LM head runs only
+    there), else None (no LM head: no token is sampled)."""
+    model.truncate(0)
+    if not tokens:
+        return None
+    x = torch.tensor([list(tokens)], device=model.device)
+    h = model.forward_layers(model.embed(x), 0)
+    return model.head(h[:, -1:])[0, -1] if last_logits else None
 
 
 class TargetRunner:
@@ -20,10 +38,7 @@ class TargetRunner:
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int]) -> None:
         """Cache ``prompt_ids[:-1]`` in slots ``0..n-2`` (no LM head: no token is sampled here)."""
-        self.model.truncate(0)
-        if len(prompt_ids) > 1:
-            x = torch.tensor([prompt_ids[:-1]], device=self.model.device)
-            self.model.forward_layers(self.model.embed(x), 0)
+        prefill(self.model, prompt_ids[:-1])
 
     @torch.inference_mode()
     def probs(self, tokens: list[int], start: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from real.errors import UnsupportedCheckpoint, WeightsNotFound
+from real.paths import bundled_gguf_path
 
 # gguf token types (llama.cpp's llama_token_type)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -177,6 +178,4 @@ def render_chat_template(template: str, messages: Sequence[Message], add_generat
 @functools.cache
 def load_bundled_tokenizer() -> Tokenizer:
     """The bundled SmolLM2 tokenizer (from the GGUF metadata), loaded once per process."""
-    from real.weights import bundled_gguf_path
-
     return Tokenizer.from_gguf(bundled_gguf_path())

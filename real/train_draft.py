@@ -37,13 +37,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def repo_path(p: str | Path) -> Path:
-    """Relative paths are relative to the repository root, not the CWD."""
-    p = Path(p).expanduser()
-    return p if p.is_absolute() else ROOT / p
+from testbed.paths import ROOT, repo_path
 
 
 # ------------------------------------------------------------------------------ the draft

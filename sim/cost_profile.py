@@ -29,16 +29,11 @@ from typing import Any
 
 from sim.cost import CostModel, Role, register
 from testbed.config import ConfigError, ExperimentConfig
+from testbed.paths import profile_path
 
 SCHEMA = 1
-ROOT = Path(__file__).resolve().parents[1]
-PROFILE_DIR = ROOT / "reports" / "profiles"
 CALIBRATE_CMD = "python -m testbed backend=real +calibrate"
 MIN_ROUNDS = 5  # rescale: rounds of one k needed for a k of its own
-
-
-def default_profile_path(hardware: str) -> Path:
-    return PROFILE_DIR / f"{hardware}.json"
 
 
 def temperature_class(temperature: float) -> str:
@@ -104,17 +99,10 @@ def load_profile(path: Path) -> dict[str, Any]:
     return prof
 
 
-def resolve_profile_path(exp: ExperimentConfig) -> Path:
-    if exp.sim.profile_path:
-        p = Path(exp.sim.profile_path).expanduser()
-        return p if p.is_absolute() or p.exists() else ROOT / p
-    return default_profile_path(exp.hardware.name)
-
-
 class ProfileCost(CostModel):
     def __init__(self, exp: ExperimentConfig, profile: dict[str, Any] | None = None,
                  path: Path | None = None) -> None:
-        self.path = path or resolve_profile_path(exp)
+        self.path = path or profile_path(exp)
         self.profile = profile if profile is not None else load_profile(self.path)
         self.temp = temperature_class(exp.sampling.temperature)
         self.gamma = max(1, exp.schedule.gamma)

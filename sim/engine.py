@@ -22,11 +22,7 @@ from sim.oracle import make_oracle
 from sim.schedules import get_schedule
 from testbed.config import ExperimentConfig
 from testbed.recorder import RunRecorder, RunResult
-
-
-def schedule_name(exp: ExperimentConfig) -> str:
-    s = exp.schedule
-    return "sync_tree" if s.name == "sync" and s.tree else s.name
+from testbed.schedules import schedule_impl
 
 
 def baseline_experiment(exp: ExperimentConfig) -> ExperimentConfig:
@@ -63,7 +59,7 @@ def simulate(exp: ExperimentConfig, requests: list[SimRequest], seed: int,
     env = simpy.Environment()
     rec = RunRecorder(keep_spans=keep_spans)
     ctx = SimContext(exp=exp, env=env, cost=make_cost_model(exp), oracle=make_oracle(exp, seed), rec=rec)
-    schedule = get_schedule(schedule_name(exp))
+    schedule = get_schedule(schedule_impl(exp))
 
     def serve_all():  # type: ignore[no-untyped-def]
         for req in requests:

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from sim.oracle import ORACLES, ChainOutcome, SequenceOracle, TokenOracle
 from testbed.config import ConfigError, ExperimentConfig
+from testbed.results import run_split
 from testbed.spec.speculative import accepted_prefix
 from testbed.workloads import TRACE_SOURCE
 
@@ -67,16 +67,6 @@ class RequestTrace:
     @property
     def length(self) -> int:
         return len(self.match)
-
-
-def run_split(run_dir: Path, summary: dict) -> str:
-    """The prompt split a run used (experiment.yaml, else summary's workload_split, else all)."""
-    exp_file = run_dir / "experiment.yaml"
-    if exp_file.exists():
-        split = (yaml.safe_load(exp_file.read_text()) or {}).get("workload", {}).get("split")
-        if split:
-            return str(split)
-    return str(summary.get("workload_split") or "all")
 
 
 def _runs_below(path: Path) -> list[tuple[Path, dict]]:

@@ -119,7 +119,8 @@ def ar_pipeline(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         out.append(seq.ar_token())
         yield from pipe.send_back(1, rid, i)
         kv += 1
-        rec.round(rid, i, s, env.now, 0, 0, 0, 1, 1, 0.0, compute)
+        rec.round(request_id=rid, round_idx=i, start_s=s, end_s=env.now, drafted=0, checked=0,
+                  accepted=0, emitted=1, verified_tokens=1, draft_s=0.0, target_s=compute)
     ids = out if ctx.oracle.produces_ids else []
     rec.request(rid, req.prompt_id, req.prompt_len, ids, len(out), prefill_s, env.now - start,
                 req.max_new_tokens)

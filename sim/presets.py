@@ -7,15 +7,13 @@ returns the dataclass. Unknown names raise ``ConfigError`` naming the key and th
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from testbed.config import ConfigError, HardwareConfig, ModelConfig
-
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+from testbed.paths import CONF_DIR
 
 
 def preset_names(group: str) -> list[str]:

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import math
 import random
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from sim.context import SimContext, SimRequest
 from sim.oracle import IidOracle, SyntheticSequence
-from testbed.spec.tree import DraftTree, TreeBatch, TreeMode
+from testbed.spec.tree import DraftTree, TreeBatch
+from testbed.spec.tree_drafter import DraftSource, Expansion, TreeDrafter, TreeKvStats
 from testbed.spec.tree_verify import verify_tree
 
 Keys = list[tuple[int, int]]
@@ -45,19 +46,9 @@ class TreeOutcome:
     checked: int  # accepted + 1 when the stop node had candidates that were all rejected
 
 
-class TreeTokens(ABC):
-    """Draft and target distributions on the tree of one request."""
-
-    mode: TreeMode = "topk"
-    generator: torch.Generator | None = None
-
-    @abstractmethod
-    def history(self) -> list[int]:
-        """Committed tokens (the tree's root is the last)."""
-
-    @abstractmethod
-    def draft_dists(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        """[len(nodes), V]: the draft's distribution after each node (for DraftTree.expand)."""
+class TreeTokens(DraftSource):
+    """Draft and target distributions on the tree of one request (the draft side is the
+    DraftSource interface of testbed.spec.tree_drafter)."""
 
     def target_keys(self, tree: DraftTree, batch: TreeBatch) -> Keys:
         """What the target needs to know about the batch's contexts, fixed when it is sent."""
@@ -65,14 +56,6 @@ class TreeTokens(ABC):
 
     @abstractmethod
     def verify(self, batch: TreeBatch, keys: Keys) -> TreeOutcome: ...
-
-    @abstractmethod
-    def commit(self, tokens: list[int]) -> None:
-        """The draft learns the verified tokens (before it re-roots)."""
-
-    def new_tree(self) -> DraftTree:
-        h = self.history()
-        return DraftTree(root_token=h[-1], prefix_len=len(h) - 1, mode=self.mode)
 
 
 def _checked(batch: TreeBatch, accepted_nodes: list[int]) -> int:
@@ -178,59 +161,47 @@ def tree_tokens(ctx: SimContext, req: SimRequest) -> TreeTokens:
                      "or acceptance=synthetic")
 
 
-class TreeDrafter:
-    """The draft side of a tree schedule: one DraftTree, expansions timed by the cost model."""
+class TimedTreeDrafter:
+    """The draft side of a tree schedule: testbed's TreeDrafter, expansions timed by the cost
+    model."""
 
     def __init__(self, ctx: SimContext, toks: TreeTokens) -> None:
         s = ctx.exp.schedule
         self.ctx, self.toks = ctx, toks
-        self.width, self.budget = s.tree_width, s.tree_budget
-        self.tree = toks.new_tree()
-        self.recompute = 0  # verified tokens whose draft KV was never computed (fed next forward)
-        # tree KV slots kept (moved to the prefix or the new tree) / dropped, over the whole run
-        self.kv = ctx.state.setdefault("tree_kv", {"kept": 0, "freed": 0})
+        # tree KV slots kept / dropped by re-roots, over the whole run
+        kv = ctx.state.setdefault("tree_kv", TreeKvStats())
+        self.core = TreeDrafter(toks, width=s.tree_width, budget=s.tree_budget, kv=kv)
+        self.width, self.budget = self.core.width, self.core.budget
+
+    @property
+    def tree(self) -> DraftTree:
+        return self.core.tree
+
+    def _seconds(self, step: Expansion) -> float:
+        return self.ctx.cost.forward("draft", step.n_inputs, step.context_len)
 
     def expand(self) -> float | None:
         """Expand the w most probable leaves; returns the forward's seconds (None: nothing
         left to expand). The tree changes now; the caller lets the time pass."""
-        tree = self.tree
-        leaves = tree.leaves_to_expand(self.width)
-        if not leaves:
-            return None
-        dt = self.ctx.cost.forward("draft", len(leaves) + self.recompute,
-                                   tree.prefix_len + tree.n_slots)
-        self.recompute = 0
-        # w children per expanded leaf
-        tree.expand(leaves, self.toks.draft_dists(tree, leaves), num_children=self.width,
-                    generator=self.toks.generator)
-        return dt
+        step = self.core.expand()
+        return None if step is None else self._seconds(step)
 
     def fill(self) -> float:
-        """Expand until the tree holds at least `budget` nodes (SwiftSpec Alg. 1 l. 15-16)."""
+        """Expand until the tree holds at least `budget` nodes; returns the seconds."""
         total = 0.0
-        while len(self.tree) < self.budget:
-            dt = self.expand()
-            if dt is None:
-                break
-            total += dt
+        for step in self.core.fill():
+            total += self._seconds(step)
         return total
 
     def select(self) -> tuple[TreeBatch, Keys]:
-        batch = self.tree.select_subtree(self.budget)
+        batch = self.core.select()
         return batch, self.toks.target_keys(self.tree, batch)
 
     def advance(self, tokens: list[int]) -> None:
-        """Commit the verified tokens and re-root (KV compaction plan from DraftTree)."""
-        self.toks.commit(tokens)
-        plan = self.tree.reroot(tokens)
-        self.recompute += len(plan.recompute)
-        self.kv["kept"] += len(plan.keep) + len(plan.to_prefix)
-        self.kv["freed"] += len(plan.free)
+        self.core.advance(tokens)
 
     def summary_fields(self) -> dict[str, float | None]:
-        moved = self.kv["kept"] + self.kv["freed"]
-        return {"tree_width": self.width, "tree_budget": self.budget,
-                "tree_kv_reuse": self.kv["kept"] / moved if moved else None}
+        return self.core.summary_fields()
 
 
 BATCH_BYTES_PER_NODE = 12  # token id, position, parent index (int32 each): the mask is implied

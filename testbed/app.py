@@ -1,13 +1,12 @@
 """`python -m testbed`: the Hydra application.
 
 Compose → validate → run the chosen backend → write the run directory → (per-run report) →
-print a short summary. The backends are imported lazily so `testbed` never imports `sim` or
-`real` at module level.
+print a short summary. Backends are reached through testbed.backends (a registry the backend
+packages fill when imported by name), so `testbed` imports no module of `sim` or `real`.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from testbed import backends
 from testbed.config import ConfigError, ExperimentConfig, register_configs, to_experiment, validate
 from testbed.recorder import RunResult
 from testbed.results import write_run
@@ -24,19 +24,12 @@ register_configs()
 
 
 def run_backend(exp: ExperimentConfig) -> RunResult:
-    module = importlib.import_module({"sim": "sim.engine", "real": "real.engine"}[exp.backend])
-    return module.run(exp)
+    return backends.get(exp.backend).run(exp)
 
 
 def is_user_error(e: Exception) -> bool:
     """Errors whose message names the bad setting and the fix (no traceback for those)."""
-    if isinstance(e, ConfigError):
-        return True
-    if "real" in sys.modules.get("real.errors", type("m", (), {"__name__": ""})).__name__:
-        from real.errors import USER_ERRORS
-
-        return isinstance(e, USER_ERRORS)
-    return False
+    return isinstance(e, (ConfigError, *backends.user_error_types()))
 
 
 def print_summary(summary: dict, run_dir: Path) -> None:
@@ -69,8 +62,8 @@ def main(cfg: DictConfig) -> float | None:
         exp.pair.name = hc.runtime.choices.get("pair", "")
     run_dir = Path(hc.runtime.output_dir)
     if exp.calibrate:  # `+calibrate`: write the latency profile instead of a run
-        from real.calibrate import calibrate
-
+        calibrate = backends.get(exp.backend).calibrate
+        assert calibrate is not None  # validate() allows +calibrate only on backends that measure
         calibrate(exp, run_dir)
         return None
     try:

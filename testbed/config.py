@@ -13,8 +13,9 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-BACKENDS = ("sim", "real")
-SCHEDULES = ("ar", "sync", "async", "decentralized")
+from testbed.paths import CONF_DIR
+from testbed.schedules import BACKENDS, SCHEDULES, unsupported
+
 LOOKAHEADS = ("static", "heuristic")
 ORACLES = ("iid", "synthetic", "trace")
 COST_MODELS = ("analytic", "roofline", "profile")
@@ -216,14 +217,13 @@ def register_resolvers() -> None:
 def register_configs() -> None:
     """Register the schema so Hydra type-checks every override against it, and every
     `pair=TARGET+DRAFT` combination of model presets (files in conf/pair/ take precedence)."""
-    from pathlib import Path
 
     from hydra.core.config_store import ConfigStore
 
     register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="experiment_schema", node=ExperimentConfig)
-    conf = Path(__file__).resolve().parents[1] / "conf"
+    conf = CONF_DIR
     models = sorted(p.stem for p in (conf / "model").glob("*.yaml"))
     files = {p.stem for p in (conf / "pair").glob("*.yaml")}
     for t in models:
@@ -377,10 +377,9 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _int_range("sampling.top_k", sp.top_k, 0)
     _float_range("sampling.top_p", sp.top_p, 0.0, 1.0, lo_open=True)
 
-    if exp.backend == "real" and (s.name not in ("ar", "sync") or s.tree):
-        raise ConfigError("schedule", s.name + (" (tree)" if s.tree else ""),
-                          "ar or sync (without tree) with backend=real; async, decentralized and "
-                          "trees run on backend=sim")
+    why = unsupported(exp.backend, s.name, s.tree)
+    if why:
+        raise ConfigError("schedule", s.name + (" (tree)" if s.tree else ""), why)
     if exp.calibrate and exp.backend != "real":
         raise ConfigError("calibrate", exp.calibrate, "false with backend=sim (calibration measures "
                           "this machine: python -m testbed backend=real +calibrate)")

@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 
 from testbed.config import ExperimentConfig
+from testbed.schedules import schedule_impl
 
 KEY_FIELDS = ("backend", "schedule", "pair", "hardware", "target_gpus", "draft_gpus", "nodes",
               "gamma", "workload", "temperature", "seed")
@@ -27,12 +28,9 @@ HEADLINE = ("tokens_per_s", "tpot_ms", "speedup", "alpha", "mean_accepted_len", 
 
 
 def experiment_key(exp: ExperimentConfig) -> dict[str, Any]:
-    schedule = exp.schedule.name
-    if schedule == "sync" and exp.schedule.tree:
-        schedule = "sync_tree"
     return {
         "backend": exp.backend,
-        "schedule": schedule,
+        "schedule": schedule_impl(exp),
         "pair": exp.pair.name,
         "hardware": exp.hardware.name,
         "target_gpus": exp.placement.target_gpus,

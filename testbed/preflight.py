@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import re
 import sys
-from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -19,8 +18,8 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
 from testbed.config import ConfigError, register_configs, to_experiment, validate
+from testbed.paths import CONF_DIR
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 MAX_JOBS_CHECKED = 2000
 
 

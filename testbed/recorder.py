@@ -31,7 +31,7 @@ class RunRecorder:
     extra_round_columns: dict[str, list[Any]] = field(default_factory=dict)
     keep_spans: bool = True
 
-    def round(self, request_id: int, round_idx: int, start_s: float, end_s: float,
+    def round(self, *, request_id: int, round_idx: int, start_s: float, end_s: float,
               drafted: int, checked: int, accepted: int, emitted: int, verified_tokens: int,
               draft_s: float = 0.0, target_s: float = 0.0) -> None:
         """One verification (or one AR forward): `drafted` guesses proposed (γ, or tree nodes

@@ -125,3 +125,13 @@ def _natural_key(s: str) -> list[object]:
 def summaries_frame(runs: list[Run]) -> pd.DataFrame:
     rows = [{**r.summary, "run_dir": str(r.path)} for r in runs]
     return pd.DataFrame(rows)
+
+
+def run_split(run_dir: Path, summary: dict) -> str:
+    """The prompt split a run used (experiment.yaml, else summary's workload_split, else all)."""
+    exp_file = run_dir / "experiment.yaml"
+    if exp_file.exists():
+        split = (yaml.safe_load(exp_file.read_text()) or {}).get("workload", {}).get("split")
+        if split:
+            return str(split)
+    return str(summary.get("workload_split") or "all")

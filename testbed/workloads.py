@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+from testbed import backends
+from testbed.paths import DATA_DIR
+
 REAL_WORKLOADS = ("humaneval", "mtbench", "alpaca")
 KINDS = ("code", "chat", "instruction")
 # calibrate | holdout: the two halves of a set (the trained draft learned from `calibrate` only).
@@ -193,9 +195,8 @@ def count_tokens(prompts: Sequence[Prompt], exp: Any) -> list[int]:
     """Prompt lengths in tokens for the simulator: exact with the bundled tokenizer when the
     real backend's tokenizer can be loaded, else len(utf-8 bytes) / BYTES_PER_TOKEN."""
     try:
-        from real.tokenizer import load_bundled_tokenizer  # lazy: testbed never needs `real`
-
-        tok = load_bundled_tokenizer()
+        load_tokenizer = backends.hook("tokenizer")  # a backend's (real's), via the registry
+        tok = load_tokenizer() if load_tokenizer is not None else None
     except Exception:  # noqa: BLE001 - any failure means "no tokenizer here": fall back
         tok = None
     out = []

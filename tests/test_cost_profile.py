@@ -152,7 +152,8 @@ def test_rescale_follows_the_calibrate_runs_round_times(tmp_path) -> None:  # ty
     for r in range(8):  # 8 rounds, each keeps 1 of 4 guesses: the target verifies 5 tokens
         t_target = 2.0 * plain.forward("target", 5, seq_len - 1)
         t_draft = 3.0 * sum(plain.forward("draft", 1, seq_len + i - 1) for i in range(4))
-        rec.round(0, r, 0.0, 0.0, 4, 2, 1, 2, 5, t_draft, t_target)
+        rec.round(request_id=0, round_idx=r, start_s=0.0, end_s=0.0, drafted=4, checked=2,
+                  accepted=1, emitted=2, verified_tokens=5, draft_s=t_draft, target_s=t_target)
         seq_len += 2
     rec.request(0, "HumanEval/0", 100, [], 16, 0.1, 1.0, 8)
     write_run(tmp_path / "runs" / "0", real, RunResult(recorder=rec))

@@ -42,7 +42,9 @@ def write_trace_run(path: Path, gamma: int, split: str = "calibrate", requests: 
         rounds = recorded_rounds(100 * rid + gamma, gamma, ngram)
         t = 0.0
         for i, (d, n, e) in enumerate(rounds):
-            rec.round(rid, i, t, t + 0.01, d, n + (n < d), n, e, d + 1, 0.001, 0.009)
+            rec.round(request_id=rid, round_idx=i, start_s=t, end_s=t + 0.01, drafted=d,
+                      checked=n + (n < d), accepted=n, emitted=e, verified_tokens=d + 1,
+                      draft_s=0.001, target_s=0.009)
             t += 0.01
         rec.request(rid, f"p{rid}", 100, [], N_TOKENS, 0.1, t, len(rounds))
         per_request.append(rounds)

@@ -8,10 +8,12 @@ import itertools
 import pytest
 import torch
 
+from real.context import RealContext, RealRequest
 from real.drafts import EarlyExitDraft, ModelDraft, NgramDraft
-from real.engine import RealContext, RealRequest, serve_ar, serve_sync
 from real.model import ModelArgs, Transformer
 from real.runners import TargetRunner
+from real.schedules.ar import serve_ar
+from real.schedules.sync import serve_sync
 from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams, standardize
 from tests.conftest import compose_exp, run_cli

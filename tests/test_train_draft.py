@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 from real.eval_draft import sync_accepted_lengths
-from real.train_draft import DraftArch, export_hf, init_draft, repo_path, train
+from real.train_draft import DraftArch, export_hf, init_draft, train
+from testbed.paths import repo_path
 from testbed.spec.sampling import SamplingParams, standardize
 from testbed.spec.speculative import speculative_step
 

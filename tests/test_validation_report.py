@@ -25,7 +25,9 @@ def write_fake_run(path: Path, backend: str, split: str, decode_s: float, accept
     generated, r = 0, 0
     while generated < 40:
         e = min(accepted + 1, 40 - generated)
-        rec.round(0, r, r * round_s, (r + 1) * round_s, gamma, accepted + 1, accepted, e, gamma + 1, 0.0, 0.0)
+        rec.round(request_id=0, round_idx=r, start_s=r * round_s, end_s=(r + 1) * round_s,
+                  drafted=gamma, checked=accepted + 1, accepted=accepted, emitted=e,
+                  verified_tokens=gamma + 1, draft_s=0.0, target_s=0.0)
         generated += e
         r += 1
     rec.request(0, "HumanEval/0", 100, [], 40, 0.1, decode_s, r)

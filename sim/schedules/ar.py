@@ -37,7 +37,8 @@ def ar(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         yield timeout(dt)
         out.append(seq.ar_token())
         kv += 1
-        rec.round(rid, i, s, s + dt, 0, 0, 0, 1, 1, 0.0, dt)
+        rec.round(request_id=rid, round_idx=i, start_s=s, end_s=s + dt, drafted=0, checked=0,
+                  accepted=0, emitted=1, verified_tokens=1, draft_s=0.0, target_s=dt)
         rec.span("target", "decode", s, s + dt, rid, i)
     ids = out if ctx.oracle.produces_ids else []
     rec.request(rid, req.prompt_id, req.prompt_len, ids, len(out), prefill_s, env.now - start,

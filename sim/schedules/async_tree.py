@@ -32,7 +32,7 @@ from sim.context import SimContext, SimRequest
 from sim.links import Link
 from sim.pipeline import TOKEN_BYTES, topology_for
 from sim.schedules import register
-from sim.tree_tokens import BATCH_BYTES_PER_NODE, TreeDrafter, tree_tokens
+from sim.tree_tokens import BATCH_BYTES_PER_NODE, TimedTreeDrafter, tree_tokens
 
 MAX_DEPTH = 64
 
@@ -62,7 +62,7 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     if "async_depth" not in ctx.state:
         ctx.state["async_depth"] = choose_depth(ctx, req, to_target, to_draft)
     depth, t_target, t_draft = ctx.state["async_depth"]
-    drafter = TreeDrafter(ctx, tree_tokens(ctx, req))
+    drafter = TimedTreeDrafter(ctx, tree_tokens(ctx, req))
     tree, toks = drafter.tree, drafter.toks
     rid, n_max = req.request_id, req.max_new_tokens
 
@@ -98,8 +98,9 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
             out.extend(res.tokens[:emitted])
             generated += emitted
             seq_len += len(res.tokens)
-            rec.round(rid, r, t_prev, env.now, len(batch) - 1, res.checked, res.accepted, emitted,
-                      len(batch), draft_s, dt)
+            rec.round(request_id=rid, round_idx=r, start_s=t_prev, end_s=env.now,
+                      drafted=len(batch) - 1, checked=res.checked, accepted=res.accepted,
+                      emitted=emitted, verified_tokens=len(batch), draft_s=draft_s, target_s=dt)
             t_prev = env.now
             done = generated >= n_max
             env.process(deliver(to_draft, TOKEN_BYTES * (len(res.tokens) + 1), draft_inbox,

@@ -137,8 +137,9 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
         seq_len += n + 1
         pending = 2 if n == gamma else 1
         policy.observe(gamma, n)
-        rec.round(rid, r, t_round, env.now, gamma, n + (n < gamma), n, emitted, gamma + 1,
-                  draft_s, target_s)
+        rec.round(request_id=rid, round_idx=r, start_s=t_round, end_s=env.now, drafted=gamma,
+                  checked=n + (n < gamma), accepted=n, emitted=emitted, verified_tokens=gamma + 1,
+                  draft_s=draft_s, target_s=target_s)
         acc["rounds"] += 1
         acc["accepted"] += n
         acc["drafted"] += gamma

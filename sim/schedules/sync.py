@@ -55,7 +55,9 @@ def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         seq_len += n + 1
         pending = 2 if k and n == k else 1
         policy.observe(k, n)
-        rec.round(rid, r, s, env.now, k, n + (n < k), n, emitted, k + 1, draft_s, target_s)
+        rec.round(request_id=rid, round_idx=r, start_s=s, end_s=env.now, drafted=k,
+                  checked=n + (n < k), accepted=n, emitted=emitted, verified_tokens=k + 1,
+                  draft_s=draft_s, target_s=target_s)
         rec.span("draft", "draft", s, s + draft_s, rid, r)
         rec.span("target", "verify", s + draft_s, env.now, rid, r)
         r += 1

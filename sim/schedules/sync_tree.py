@@ -16,7 +16,7 @@ from typing import Any
 
 from sim.context import SimContext, SimRequest
 from sim.schedules import register
-from sim.tree_tokens import TreeDrafter, tree_tokens
+from sim.tree_tokens import TimedTreeDrafter, tree_tokens
 
 
 @register("sync_tree")
@@ -24,7 +24,7 @@ def sync_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     env, cost, rec, exp = ctx.env, ctx.cost, ctx.rec, ctx.exp
     s = exp.schedule
     depth = s.tree_depth or s.gamma
-    drafter = TreeDrafter(ctx, tree_tokens(ctx, req))
+    drafter = TimedTreeDrafter(ctx, tree_tokens(ctx, req))
     rid = req.request_id
     t0 = env.now
     pf_target = cost.prefill("target", req.prompt_len)
@@ -55,8 +55,9 @@ def sync_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         out.extend(res.tokens[:emitted])
         generated += emitted
         seq_len += len(res.tokens)
-        rec.round(rid, r, t_round, env.now, len(batch) - 1, res.checked, res.accepted, emitted,
-                  len(batch), draft_s, target_s)
+        rec.round(request_id=rid, round_idx=r, start_s=t_round, end_s=env.now,
+                  drafted=len(batch) - 1, checked=res.checked, accepted=res.accepted,
+                  emitted=emitted, verified_tokens=len(batch), draft_s=draft_s, target_s=target_s)
         rec.span("draft", "draft", t_round, t_round + draft_s, rid, r)
         rec.span("target", "verify", t_round + draft_s, env.now, rid, r)
         drafter.advance(res.tokens)

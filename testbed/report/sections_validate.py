@@ -16,9 +16,11 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
+from testbed import backends
 from testbed.metrics import KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
 from testbed.results import Run
+from testbed.results import run_split as split_of
 from testbed.workloads import TRACE_SOURCE, TRACE_SPLITS
 
 METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len", "ar_tokens_per_s", "speedup")
@@ -28,8 +30,6 @@ TARGET_MEDIAN, TARGET_WORST = 5.0, 15.0
 
 
 def run_split(run: Run) -> str:
-    from sim.oracle_trace import run_split as split_of
-
     return split_of(run.path, run.summary)
 
 
@@ -81,13 +81,13 @@ def replay_measured(run: Run) -> dict | None:
     if not exp_file.exists() or run.summary.get("schedule") != "sync":
         return None
     try:
-        from sim.cost_profile import ProfileCost
-
+        replay_seconds = backends.get("sim").replay_seconds
+        assert replay_seconds is not None
         exp = copy.deepcopy(to_experiment(yaml.safe_load(exp_file.read_text())))
         exp.pair.name = run.summary.get("pair", exp.pair.name)
         exp.backend, exp.sim.cost_model, exp.sim.profile_rescale = "sim", "profile", True
         exp.acceptance.oracle, exp.acceptance.trace_path = "trace", str(run.path.parent)
-        seconds = ProfileCost(exp).decode_seconds(run.path)
+        seconds = replay_seconds(exp, run.path)
     except (ConfigError, FileNotFoundError, ValueError, KeyError):
         return None
     req = pd.read_parquet(run.path / "requests.parquet", columns=["request_id", "generated"])

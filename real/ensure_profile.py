@@ -1,4 +1,6 @@
-"""Hydra callback for `+sweep=validate`: make sure a latency profile exists before any job runs.
+"""Hydra callback for `+sweep=validate` (conf/sweep/validate.yaml's ``_target_``): make sure a
+latency profile exists before any job runs. It lives in real/ because only the real backend
+measures; testbed imports no backend module.
 
 The simulator's `profile` cost model reads reports/profiles/<hardware>.json (real/calibrate.py
 writes it). When the sweep starts and the profile is missing, was measured with other threads
@@ -17,6 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from testbed.config import ExperimentConfig, to_experiment
+from testbed.paths import CONF_DIR, repo_path
 
 
 def profile_is_current(path: Path, exp: ExperimentConfig) -> tuple[bool, str]:
@@ -54,10 +57,9 @@ def missing_draft_weights(pairs: list[str]) -> list[str]:
     """`pair=... : reason` for every pair whose draft model has no weights here."""
     from omegaconf import OmegaConf
 
-    from real.drafts import resolve_path
     from testbed.config import ModelConfig
 
-    conf = Path(__file__).resolve().parents[1] / "conf" / "model"
+    conf = CONF_DIR / "model"
     out = []
     for pair in pairs:
         draft = pair.strip().split("+", 1)[-1]
@@ -65,7 +67,7 @@ def missing_draft_weights(pairs: list[str]) -> list[str]:
         if not f.exists():
             continue  # preflight names unknown presets
         m = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(f))
-        if m.kind == "transformer" and (m.path is None or not resolve_path(m.path).exists()):
+        if m.kind == "transformer" and (m.path is None or not repo_path(m.path).exists()):
             out.append(f"pair={pair.strip()}: the draft's weights ({m.path}) are not here")
     return out
 

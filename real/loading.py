@@ -1,0 +1,87 @@
+"""Everything a real run needs before its first forward: the models (loaded once per process,
+so a sweep loads each once), the draft of the pair, the vocabulary check between them, and the
+requests (the workload's prompts rendered and tokenized, checked against the context)."""
+
+from __future__ import annotations
+
+import torch
+
+from real.context import RealRequest
+from real.drafts import Draft, EarlyExitDraft, ModelDraft, NgramDraft
+from real.errors import RealSetupError, WeightsNotFound
+from real.model import Transformer
+from real.tokenizer import Tokenizer
+from testbed.config import ExperimentConfig
+from testbed.paths import repo_path
+from testbed.spec.sampling import SamplingParams
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BUNDLED_TARGET = "smollm2_135m"
+_MODELS: dict[tuple, tuple[Transformer, Tokenizer]] = {}  # loaded once per process (sweeps)
+
+
+def load(path: str | None, what: str, model_name: str, dtype: str) -> tuple[Transformer, Tokenizer]:
+    from real.weights import load_model
+
+    if path is None and model_name != BUNDLED_TARGET:
+        raise RealSetupError(
+            f"{what}.path is not set for {model_name!r}: backend=real needs local weights "
+            f"(set {what}.path=DIR_OR_GGUF, or use the bundled pair=smollm2_135m+smollm2_draft)")
+    resolved = None if path is None else repo_path(path)
+    if resolved is not None and not resolved.exists():
+        raise WeightsNotFound(str(path), f"set {what}.path to an existing .gguf file or checkpoint "
+                              "directory (config.json, *.safetensors, tokenizer.json)")
+    key = (str(resolved), dtype)
+    if key not in _MODELS:
+        _MODELS[key] = load_model(resolved, dtype=DTYPES[dtype], max_seq=64)
+    return _MODELS[key]
+
+
+def check_vocab(target_tok: Tokenizer, target: Transformer, draft_tok: Tokenizer, draft: Transformer,
+                draft_name: str) -> None:
+    if draft.args.vocab_size != target.args.vocab_size or draft_tok.vocab_size != target_tok.vocab_size \
+            or any(draft_tok.backend.id_to_token(i) != target_tok.backend.id_to_token(i)
+                   for i in range(0, target_tok.vocab_size, 97)):
+        raise RealSetupError(
+            f"pair.draft={draft_name!r} has a vocabulary of {draft.args.vocab_size} tokens "
+            f"(tokenizer {draft_tok.vocab_size}) that differs from the target's "
+            f"{target.args.vocab_size} ({target_tok.vocab_size}): a draft must share the "
+            "target's tokenizer; choose a draft trained for this target")
+
+
+def make_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tokenizer,
+               params: SamplingParams) -> Draft | None:
+    d = exp.pair.draft
+    if exp.schedule.name == "ar":
+        return None
+    if d.kind == "ngram":
+        return NgramDraft(d.ngram, target.args.vocab_size)
+    if d.kind == "early_exit":
+        if not 1 <= d.exit_layer < target.args.n_layers:
+            raise RealSetupError(f"pair.draft.exit_layer={d.exit_layer} must be in [1, "
+                                 f"{target.args.n_layers - 1}] for this target")
+        return EarlyExitDraft(target, d.exit_layer, params)
+    model, tok = load(d.path, "pair.draft", d.name, exp.real.dtype)
+    check_vocab(tokenizer, target, tok, model, d.name)
+    return ModelDraft(model, params, d.name)
+
+
+def build_requests(exp: ExperimentConfig, tokenizer: Tokenizer, max_context: int) -> list[RealRequest]:
+    from testbed.workloads import choose_prompts, render
+
+    w = exp.workload
+    if w.name == "synthetic":
+        raise RealSetupError("workload=synthetic has no text: backend=real needs "
+                             "workload=humaneval|mtbench|alpaca")
+    out = []
+    for i, p in enumerate(choose_prompts(exp)):
+        rendered = render(p, tokenizer, w.chat_template)
+        ids = rendered if isinstance(rendered, list) else tokenizer.encode(rendered)
+        need = len(ids) + w.max_new_tokens + exp.schedule.gamma + 1
+        if need > max_context:
+            raise RealSetupError(
+                f"prompt {p.id} has {len(ids)} tokens; with workload.max_new_tokens={w.max_new_tokens} "
+                f"and schedule.gamma={exp.schedule.gamma} it needs {need} positions but the target's "
+                f"context is {max_context}: lower workload.max_new_tokens or choose shorter prompts")
+        out.append(RealRequest(i, p.id, ids, w.max_new_tokens))
+    return out

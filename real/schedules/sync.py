@@ -1,0 +1,53 @@
+"""`sync`: Leviathan et al.'s Algorithm 1 — the draft proposes γ guesses, the target verifies
+them in one forward over γ+1 tokens and accepts with testbed.spec.speculative.speculative_step,
+the same rule the simulator's oracles call (sim/schedules/sync.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from real.context import RealContext, RealRequest, finish
+from real.schedules import register
+from testbed.spec.lookahead import make_lookahead
+from testbed.spec.speculative import speculative_step
+
+
+@register("sync")
+def serve_sync(ctx: RealContext, req: RealRequest) -> None:
+    assert ctx.draft is not None
+    exp, rec, rid, draft = ctx.exp, ctx.rec, req.request_id, ctx.draft
+    gen = ctx.generator(req.request_id)
+    policy = make_lookahead(exp.lookahead.policy, exp.schedule.gamma)
+    ids = list(req.prompt_ids)
+    s = ctx.now()
+    ctx.target.prefill(ids)
+    m = ctx.now()
+    draft.start(ids)
+    prefill_s = ctx.now() - s
+    rec.span("target", "prefill", s, m, rid)
+    rec.span("draft", "prefill", m, s + prefill_s, rid)
+    start = ctx.now()
+    out: list[int] = []
+    done, r = False, 0
+    while not done:
+        gamma = policy.next_gamma()
+        s = ctx.now()
+        guesses, q = draft.propose(ids, gamma, gen)
+        m = ctx.now()
+        p = ctx.target.probs([ids[-1], *guesses], len(ids) - 1)
+        step = speculative_step(p, q, torch.tensor(guesses, dtype=torch.long), gen)
+        e = ctx.now()
+        n, k = step.accepted, len(guesses)
+        ids.extend(step.tokens)
+        draft.commit(ids, n, k)
+        before = len(out)
+        out, done = finish(out, step.tokens, req.max_new_tokens, ctx.eos)
+        policy.observe(k, n)
+        rec.round(request_id=rid, round_idx=r, start_s=s, end_s=e, drafted=k, checked=n + (n < k),
+                  accepted=n, emitted=len(out) - before, verified_tokens=k + 1, draft_s=m - s,
+                  target_s=e - m)
+        rec.span("draft", "draft", s, m, rid, r)
+        rec.span("target", "verify", m, e, rid, r)
+        ctx.on_tokens(len(out) - before)
+        r += 1
+    rec.request(rid, req.prompt_id, len(req.prompt_ids), out, len(out), prefill_s, ctx.now() - start, r)

@@ -1,0 +1,26 @@
+"""The simulator's entry in testbed's backend registry (testbed.backends): the mirror of
+real/backend.py. Hooks import their modules when called, so registering stays cheap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from testbed.backends import Backend, register
+from testbed.config import ExperimentConfig
+
+
+def run(exp: ExperimentConfig) -> Any:
+    from sim.engine import run as simulate
+
+    return simulate(exp)
+
+
+def replay_seconds(exp: ExperimentConfig, run_dir: Path) -> dict[int, float]:
+    """The profile cost model's decode time per request of a recorded run's own rounds."""
+    from sim.cost_profile import ProfileCost
+
+    return ProfileCost(exp).decode_seconds(run_dir)
+
+
+BACKEND = register(Backend(name="sim", run=run, replay_seconds=replay_seconds))

@@ -1,0 +1,36 @@
+"""Where the repository's files are: the one helper every package uses for repo-relative paths
+(conf/, data/, models/, reports/). Presets and confs ship paths relative to the repository root,
+so a relative path means the repository's file when there is one, whatever the working
+directory (the bundled GGUF, which lives in an installed package, is real.paths')."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = ROOT / "conf"
+DATA_DIR = ROOT / "data"
+PROFILE_DIR = ROOT / "reports" / "profiles"
+
+
+def repo_path(path: str | Path) -> Path:
+    """``path`` with ``~`` expanded; a relative one is taken under the repository root, unless
+    only the working directory has it (then as given)."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p
+    in_repo = ROOT / p
+    return p if p.exists() and not in_repo.exists() else in_repo
+
+
+def default_profile_path(hardware: str) -> Path:
+    """The latency profile `+calibrate` writes for ``hardware=`` and `sim.cost_model=profile` reads."""
+    return PROFILE_DIR / f"{hardware}.json"
+
+
+def profile_path(exp: Any) -> Path:
+    """``sim.profile_path`` if set, else the hardware's default profile."""
+    if exp.sim.profile_path:
+        return repo_path(exp.sim.profile_path)
+    return default_profile_path(exp.hardware.name)

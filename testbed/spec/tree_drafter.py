@@ -1,0 +1,156 @@
+"""The draft side of a token-tree schedule (SwiftSpec Algorithm 1, draft half), time-free.
+
+Both backends drive the same ``TreeDrafter``: the simulator times each expansion with its cost
+model (sim.tree_tokens.TimedTreeDrafter), a real backend runs a draft forward. What differs is
+only where the draft's distributions come from, a ``DraftSource``.
+
+API
+---
+``DraftSource`` (abstract; one per request) — where the draft's distributions come from:
+
+- ``mode: TreeMode`` ("topk" at temperature 0, "sample" otherwise) and
+  ``generator: torch.Generator | None`` (used by ``DraftTree.expand`` in sample mode);
+- ``history() -> list[int]``: the committed tokens; the tree's root is the last one;
+- ``draft_dists(tree, nodes) -> Tensor[len(nodes), V]``: the draft's next-token distribution
+  after each node of ``nodes`` (node ids of ``tree``, in that order). A model-backed source runs
+  its draft forward here: inputs = first the verified tokens whose KV it never computed (the
+  prefix positions of the last ``compact`` plans' ``recompute``), then ``nodes`` at
+  ``tree.positions(nodes)`` with ``tree.expansion_mask(nodes)``;
+- ``commit(tokens)``: the target verified ``tokens`` (accepted ones, then its bonus token); called
+  before the tree re-roots on them;
+- ``compact(plan)``: the tree re-rooted; ``plan`` (a ``KVCompactionPlan``) says how the draft KV
+  cache must be rearranged and which prefix positions must be recomputed. Default: nothing (an
+  oracle has no cache).
+
+``TreeDrafter(source, width=w, budget=bs, kv=None)`` — owns ``tree`` (a ``DraftTree`` rooted at
+``source.history()[-1]``, prefix ``len(history) - 1``):
+
+- ``expand() -> Expansion | None``: expands the ``width`` most probable unexpanded leaves, ``width``
+  children each; None when nothing is left to expand. The returned ``Expansion`` is what the
+  forward costs: ``leaves``, ``recompute`` (verified tokens fed first, count), ``context_len``
+  (cache entries before the inputs: prefix + tree slots before the expansion), ``n_inputs``.
+- ``fill() -> list[Expansion]``: expands until the tree holds at least ``budget`` nodes
+  (Alg. 1 l. 15-16) or nothing is left.
+- ``select() -> TreeBatch``: the most probable subtree of ``budget`` nodes, for the target.
+- ``advance(tokens) -> KVCompactionPlan``: ``source.commit(tokens)``, re-root, ``source.compact``;
+  the plan's ``recompute`` count is charged to the next expansion.
+- ``summary_fields() -> dict``: ``tree_width``, ``tree_budget``, ``tree_kv_reuse`` (share of the
+  tree KV slots kept by re-roots, over every drafter sharing ``kv``).
+
+``TreeKvStats`` — ``kept`` / ``freed`` tree KV slots; pass one instance to every drafter of a run
+to get the run's reuse ratio.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from testbed.spec.tree import DraftTree, KVCompactionPlan, TreeBatch, TreeMode
+
+
+class DraftSource(ABC):
+    """The draft's distributions on the tree of one request (see the module docstring)."""
+
+    mode: TreeMode = "topk"
+    generator: torch.Generator | None = None
+
+    @abstractmethod
+    def history(self) -> list[int]:
+        """Committed tokens (the tree's root is the last)."""
+
+    @abstractmethod
+    def draft_dists(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        """[len(nodes), V]: the draft's distribution after each node (for DraftTree.expand)."""
+
+    @abstractmethod
+    def commit(self, tokens: list[int]) -> None:
+        """The draft learns the verified tokens (before it re-roots)."""
+
+    def compact(self, plan: KVCompactionPlan) -> None:
+        """The tree re-rooted: rearrange the draft KV cache by ``plan`` (oracles have none)."""
+        del plan  # an oracle keeps no KV cache
+
+    def new_tree(self) -> DraftTree:
+        h = self.history()
+        return DraftTree(root_token=h[-1], prefix_len=len(h) - 1, mode=self.mode)
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """One draft forward of tree growth: what it fed and over how much context."""
+
+    leaves: list[int]  # node ids expanded (the forward's tree inputs)
+    recompute: int  # verified tokens whose draft KV was never computed, fed first
+    context_len: int  # cache entries before the inputs: prefix + tree slots
+
+    @property
+    def n_inputs(self) -> int:
+        return len(self.leaves) + self.recompute
+
+
+@dataclass
+class TreeKvStats:
+    """Tree KV slots kept (moved to the prefix or the new tree) and dropped by re-roots."""
+
+    kept: int = 0
+    freed: int = 0
+
+    @property
+    def reuse(self) -> float | None:
+        moved = self.kept + self.freed
+        return self.kept / moved if moved else None
+
+
+class TreeDrafter:
+    """One request's DraftTree grown by maximum likelihood from a DraftSource."""
+
+    def __init__(self, source: DraftSource, *, width: int, budget: int,
+                 kv: TreeKvStats | None = None) -> None:
+        self.source = source
+        self.width, self.budget = width, budget
+        self.tree = source.new_tree()
+        self.recompute = 0  # verified tokens whose draft KV was never computed (fed next forward)
+        self.kv = kv if kv is not None else TreeKvStats()
+
+    def expand(self) -> Expansion | None:
+        """Expand the w most probable leaves, w children each (None: nothing to expand)."""
+        tree = self.tree
+        leaves = tree.leaves_to_expand(self.width)
+        if not leaves:
+            return None
+        step = Expansion(leaves, self.recompute, tree.prefix_len + tree.n_slots)
+        self.recompute = 0
+        tree.expand(leaves, self.source.draft_dists(tree, leaves), num_children=self.width,
+                    generator=self.source.generator)
+        return step
+
+    def fill(self) -> list[Expansion]:
+        """Expand until the tree holds at least `budget` nodes (SwiftSpec Alg. 1 l. 15-16)."""
+        steps: list[Expansion] = []
+        while len(self.tree) < self.budget:
+            step = self.expand()
+            if step is None:
+                break
+            steps.append(step)
+        return steps
+
+    def select(self) -> TreeBatch:
+        """The most probable subtree of `budget` nodes (closed under parent), for the target."""
+        return self.tree.select_subtree(self.budget)
+
+    def advance(self, tokens: list[int]) -> KVCompactionPlan:
+        """Commit the verified tokens and re-root (KV compaction plan from DraftTree)."""
+        self.source.commit(tokens)
+        plan = self.tree.reroot(tokens)
+        self.source.compact(plan)
+        self.recompute += len(plan.recompute)
+        self.kv.kept += len(plan.keep) + len(plan.to_prefix)
+        self.kv.freed += len(plan.free)
+        return plan
+
+    def summary_fields(self) -> dict[str, float | None]:
+        return {"tree_width": self.width, "tree_budget": self.budget,
+                "tree_kv_reuse": self.kv.reuse}

@@ -1,0 +1,74 @@
+"""Layout rules (DESIGN.md): testbed imports no module of sim/ or real/, not even lazily (a
+backend is reached through testbed.backends); sim/ and real/ register the same way; the schedule
+table agrees with the files."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from testbed import backends
+from testbed.schedules import (
+    SCHEDULES,
+    all_implementations,
+    implementation,
+    implementations,
+    runs_on,
+    unsupported,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKEND_PACKAGES = ("sim", "real")
+
+
+def backend_imports(source: str) -> list[tuple[int, str]]:
+    """(line, module) of every import statement of a backend package in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if node.level == 0 else []
+        else:
+            continue
+        found += [(node.lineno, n) for n in names if n.split(".")[0] in BACKEND_PACKAGES]
+    return found
+
+
+def test_the_import_finder_sees_lazy_and_from_imports() -> None:
+    src = "import os\ndef f():\n    from sim.engine import run\n    import real.weights as w\n"
+    assert backend_imports(src) == [(3, "sim.engine"), (4, "real.weights")]
+    assert backend_imports("from simpy import Environment\nimport realtime\n") == []
+
+
+def test_testbed_imports_no_backend_module() -> None:
+    offenders = [f"{path.relative_to(ROOT)}:{line}: {mod}"
+                 for path in sorted((ROOT / "testbed").rglob("*.py"))
+                 for line, mod in backend_imports(path.read_text())]
+    assert offenders == [], "testbed/ must reach backends through testbed.backends:\n" + "\n".join(offenders)
+
+
+def test_every_schedule_runs_on_the_simulator_and_sync_tree_is_sync_with_a_tree() -> None:
+    assert set(SCHEDULES) == {p.stem for p in (ROOT / "conf" / "schedule").glob("*.yaml")}
+    assert implementation("sync", True) == "sync_tree" and implementation("sync", False) == "sync"
+    assert set(implementations("sim")) == set(all_implementations())
+    assert {"ar", "sync"} <= set(implementations("real"))
+    assert not runs_on("real", "decentralized") and not runs_on("sim", "no_such_schedule")
+    assert unsupported("sim", "sync", True) is None
+    assert unsupported("real", "decentralized", False)
+    assert unsupported("real", "ar", True)  # a tree flag a real run would ignore
+
+
+@pytest.mark.parametrize("backend", BACKEND_PACKAGES)
+def test_backends_register_their_hooks_and_schedules(backend: str) -> None:
+    b = backends.get(backend)
+    assert b.name == backend and callable(b.run)
+    registry = __import__(f"{backend}.schedules", fromlist=["REGISTRY"]).REGISTRY
+    for impl in implementations(backend):
+        assert callable(registry.get(impl))
+    with pytest.raises(KeyError):
+        registry.get("no_such_schedule")
+    assert backends.hook("tokenizer") is backends.get("real").tokenizer
+    assert backends.get("sim").replay_seconds is not None and backends.get("real").calibrate is not None
