@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,10 @@ class RealContext:
     params: SamplingParams
     on_tokens: Callable[[int], None]
     t0: float  # the run's time origin: recorded times are seconds since it
+    # summary fields a schedule contributes (merged into RunResult.extra -> summary.json)
+    extra: dict[str, Any] = field(default_factory=dict)
+    # per-run objects shared by the requests (accumulators), as SimContext.state
+    state: dict[str, Any] = field(default_factory=dict)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0

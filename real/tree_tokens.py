@@ -28,13 +28,14 @@ standardized q, verified by the lossless multi-candidate rule.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from testbed.spec.sampling import SamplingParams, standardize
-from testbed.spec.tree import DraftTree, KVCompactionPlan, TreeBatch, TreeMode
+from testbed.spec.tree import DraftTree, KVCompactionPlan, TreeBatch
+from testbed.spec.tree_drafter import DraftSource
 from testbed.spec.tree_verify import verify_tree
 
 
@@ -79,25 +80,21 @@ def checked_count(batch: TreeBatch, accepted_nodes: list[int]) -> int:
     return len(accepted_nodes) + (1 if batch.children[stop] else 0)
 
 
-@dataclass
-class DraftTreeTokens:
-    """The draft side of one request: distributions for DraftTree.expand from the draft model,
-    with its KV cache kept in step with the tree (expansions, re-roots)."""
+class DraftTreeTokens(DraftSource):
+    """The draft side of one request, the ``DraftSource`` of testbed's ``TreeDrafter``:
+    distributions from the draft model, its KV cache kept in step with the tree (expansions,
+    re-roots)."""
 
-    model: ForwardModel
-    params: SamplingParams
-    history: list[int]  # committed tokens; the tree's root is the last
-    generator: torch.Generator | None = None
-    pending: list[int] = field(default_factory=list)  # prefix positions to recompute
-    forwards: int = 0
+    def __init__(self, model: ForwardModel, params: SamplingParams, history: list[int],
+                 generator: torch.Generator | None = None) -> None:
+        self.model, self.params, self._history = model, params, history
+        self.generator = generator
+        self.mode = "topk" if params.greedy else "sample"
+        self.pending: list[int] = []  # prefix positions whose KV the draft never computed
+        self.forwards = 0
 
-    @property
-    def mode(self) -> TreeMode:
-        return "topk" if self.params.greedy else "sample"
-
-    def new_tree(self) -> DraftTree:
-        return DraftTree(root_token=self.history[-1], prefix_len=len(self.history) - 1,
-                         mode=self.mode)
+    def history(self) -> list[int]:
+        return self._history
 
     def draft_dists(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
         """One draft forward over the pending prefix tokens and the leaves ``nodes``;
@@ -111,7 +108,7 @@ class DraftTreeTokens:
         new_slots = torch.arange(prefix + slots, prefix + slots + len(nodes))
         pend_t = torch.tensor(pend, dtype=torch.long)
         logits = self.model.logits(
-            [self.history[p] for p in pend] + [tree.tokens[n] for n in nodes],
+            [self._history[p] for p in pend] + [tree.tokens[n] for n in nodes],
             input_pos=torch.cat([pend_t, new_slots]), mask=mask,
             position_ids=torch.cat([pend_t, tree.positions(nodes)]))[len(pend):]
         self.pending = []
@@ -121,10 +118,10 @@ class DraftTreeTokens:
         return standardize(logits, self.params)
 
     def commit(self, tokens: list[int]) -> None:
-        self.history.extend(tokens)
+        self._history.extend(tokens)
 
-    def apply(self, plan: KVCompactionPlan) -> None:
-        """Make the draft cache match a re-rooted tree (DraftTree.reroot's plan)."""
+    def compact(self, plan: KVCompactionPlan) -> None:
+        """Make the draft cache match the re-rooted tree (DraftTree.reroot's plan)."""
         self.model.move_kv(plan.source_index(), plan.dest_index())
         self.pending.extend(plan.recompute)
 
@@ -157,12 +154,15 @@ class TargetTreeTokens:
         return TreeOutcome(res.tokens, res.accepted, checked_count(batch, res.accepted_nodes))
 
 
-def tree_cache_slots(*, prompt_len: int, max_new_tokens: int, width: int, budget: int,
-                     depth: int) -> int:
-    """KV slots a tree request needs: the sequence, plus the tree slots alive at once (the kept
-    subtree of the last round, at most the slots expanded per round, and this round's)."""
-    per_round = max(depth, 1) * width + budget * width
-    return prompt_len + max_new_tokens + 2 * per_round + budget + 2
+TREE_SLOTS = 2048  # draft KV slots reserved for the tree beyond the sequence (~5 KB each, trained draft)
+
+
+def tree_cache_slots(sequence_len: int) -> int:
+    """Draft KV slots a tree request needs: the sequence plus the tree's slots. How many tree
+    slots are alive at once is not bounded by w, bs and d alone (a re-root keeps the expanded
+    subtree of the new root, which later rounds grow further), so reserve generously; the
+    model caps it at its context, and a tree that outgrows it fails with the model's message."""
+    return sequence_len + TREE_SLOTS
 
 
 def tree_models(ctx) -> tuple[ForwardModel, ForwardModel]:  # type: ignore[no-untyped-def]

@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from real.context import RealRequest
 from real.drafts import ModelDraft
-from real.engine import RealRequest, serve_ar
 from real.model import ModelArgs, Transformer
-from real.schedules.sync_tree import expand_once, serve_sync_tree
+from real.schedules.ar import serve_ar
+from real.schedules.sync_tree import serve_sync_tree
 from real.tree_tokens import DraftTreeTokens, LocalModel
 from testbed.spec.sampling import SamplingParams, standardize
+from testbed.spec.tree_drafter import TreeDrafter
 from tests.conftest import compose_exp
 from tests.real_models import TINY, tiny
 from tests.test_real_engine import _ctx, _outputs
@@ -109,10 +111,11 @@ def test_draft_cache_after_reroots_equals_a_recomputation(seed: int) -> None:
         model.truncate(0)
         model(torch.tensor([prompt[:-1]]), input_pos=0)
     toks = DraftTreeTokens(LocalModel(model), params, list(prompt))
-    tree = toks.new_tree()
+    drafter = TreeDrafter(toks, width=3, budget=4)
+    tree = drafter.tree
     for _ in range(4):
         for _ in range(int(torch.randint(1, 4, (1,), generator=gen))):
-            expand_once(tree, toks, 3, None)
+            drafter.expand()
         # verified tokens: walk down the tree for a random depth, then a random token
         node, verified = 0, []
         for _ in range(int(torch.randint(0, 4, (1,), generator=gen))):
@@ -121,12 +124,11 @@ def test_draft_cache_after_reroots_equals_a_recomputation(seed: int) -> None:
             node = tree.children[node][int(torch.randint(0, len(tree.children[node]), (1,), generator=gen))]
             verified.append(tree.tokens[node])
         verified.append(int(torch.randint(0, TINY.vocab_size, (1,), generator=gen)))
-        toks.commit(verified)
-        toks.apply(tree.reroot(verified))
-    expand_once(tree, toks, 2, None)  # feeds the pending prefix tokens too
+        drafter.advance(verified)
+    drafter.expand()  # feeds the pending prefix tokens too
     ref = tiny(5)
     ref.setup_cache(256)
-    history = toks.history
+    history = toks.history()
     with torch.inference_mode():
         ref.truncate(0)
         ref(torch.tensor([history[:-1]]), input_pos=0)  # the prefix, causally

@@ -6,29 +6,23 @@ forward; d = ``schedule.tree_depth``, or ``schedule.gamma`` when that is 0, as i
 simulator) and at least until the tree holds bs nodes; the target verifies the most probable
 subtree of bs nodes in one tree-masked forward (testbed.spec.tree_verify) and the draft
 re-roots on the verified tokens, keeping the surviving subtree and its KV.
-Token distributions and caches: real.tree_tokens. The simulated twin: sim/schedules/sync_tree.py.
+The drafter is testbed's ``TreeDrafter`` (the simulator's too); distributions and caches come
+from real.tree_tokens. The simulated twin: sim/schedules/sync_tree.py.
 """
 
 from __future__ import annotations
 
+from real.context import RealContext, RealRequest, finish
+from real.schedules import register
 from real.tree_tokens import DraftTreeTokens, TargetTreeTokens, tree_models
+from testbed.spec.tree_drafter import TreeDrafter, TreeKvStats
 
 
-def expand_once(tree, toks: DraftTreeTokens, width: int, gen) -> bool:  # type: ignore[no-untyped-def]
-    """One draft forward on the w most probable leaves; False when nothing is left to expand."""
-    leaves = tree.leaves_to_expand(width)
-    if not leaves:
-        return False
-    tree.expand(leaves, toks.draft_dists(tree, leaves), num_children=width, generator=gen)
-    return True
-
-
-def serve_sync_tree(ctx, req) -> None:  # type: ignore[no-untyped-def]
-    from real.engine import _finish
-
+@register("sync_tree")
+def serve_sync_tree(ctx: RealContext, req: RealRequest) -> None:
     exp, rec, rid = ctx.exp, ctx.rec, req.request_id
     s = exp.schedule
-    width, budget, depth = s.tree_width, s.tree_budget, s.tree_depth or s.gamma
+    depth = s.tree_depth or s.gamma
     gen = ctx.generator(rid)
     draft_model, target_model = tree_models(ctx)
     ids = list(req.prompt_ids)
@@ -39,27 +33,26 @@ def serve_sync_tree(ctx, req) -> None:  # type: ignore[no-untyped-def]
     prefill_s = ctx.now() - t
     rec.span("target", "prefill", t, m, rid)
     rec.span("draft", "prefill", m, t + prefill_s, rid)
-    dtoks = DraftTreeTokens(draft_model, ctx.params, list(ids), gen)
-    ttoks = TargetTreeTokens(target_model, ctx.params, gen)
-    tree = dtoks.new_tree()
+    kv = ctx.state.setdefault("tree_kv", TreeKvStats())
+    drafter = TreeDrafter(DraftTreeTokens(draft_model, ctx.params, list(ids), gen),
+                          width=s.tree_width, budget=s.tree_budget, kv=kv)
+    target = TargetTreeTokens(target_model, ctx.params, gen)
     start = ctx.now()
     out: list[int] = []
     done, r = False, 0
     while not done:
         t = ctx.now()
         for _ in range(depth):
-            if not expand_once(tree, dtoks, width, gen):
+            if drafter.expand() is None:
                 break
-        while len(tree) < budget and expand_once(tree, dtoks, width, gen):
-            pass
-        batch = tree.select_subtree(budget)
+        drafter.fill()
+        batch = drafter.select()
         m = ctx.now()
-        res = ttoks.verify(batch)
+        res = target.verify(batch)
         e = ctx.now()
         before = len(out)
-        out, done = _finish(out, res.tokens, req.max_new_tokens, ctx.eos)
-        dtoks.commit(res.tokens)
-        dtoks.apply(tree.reroot(res.tokens))
+        out, done = finish(out, res.tokens, req.max_new_tokens, ctx.eos)
+        drafter.advance(res.tokens)
         rec.round(request_id=rid, round_idx=r, start_s=t, end_s=e, drafted=len(batch) - 1,
                   checked=res.checked, accepted=res.accepted, emitted=len(out) - before,
                   verified_tokens=len(batch), draft_s=m - t, target_s=e - m)
@@ -69,3 +62,4 @@ def serve_sync_tree(ctx, req) -> None:  # type: ignore[no-untyped-def]
         r += 1
     rec.request(rid, req.prompt_id, len(req.prompt_ids), out, len(out), prefill_s,
                 ctx.now() - start, r)
+    ctx.extra.update(drafter.summary_fields(), tree_depth_used=depth)
