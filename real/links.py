@@ -313,7 +313,7 @@ class LoopbackTransport(Transport):
         self.inboxes[dst].put((self.rank, msg))
 
     def _get(self, src: int | None, timeout_s: float) -> tuple[int, Message]:
-        for i, (s, m) in enumerate(self._stash):
+        for i, (s, _m) in enumerate(self._stash):
             if src is None or s == src:
                 return self._stash.pop(i)
         deadline = time.monotonic() + timeout_s
