@@ -1,0 +1,151 @@
+"""real/runtime.py: spawned workers on torch.distributed (gloo), emulated links, faults.
+
+No model: tiny worker functions (tests/runtime_workers.py). Every test asserts that no worker
+process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+
+from real.errors import WorkerFailed
+from real.runtime import launch, merge_records
+from testbed.config import ExperimentConfig
+from testbed.links import LinkDelays
+from testbed.placement import make_placement
+from tests import runtime_workers as rw
+from tests.conftest import ROOT, compose_exp
+
+
+def _real(*overrides: str) -> ExperimentConfig:
+    """Composed on sim (the real schedule list is another module's business), run as real."""
+    exp = compose_exp("hardware=local", "placement.target_gpus=1", "placement.draft_gpus=1",
+                      "real.recv_timeout_s=20", *overrides)
+    exp.backend = "real"
+    return exp
+
+
+def _workers() -> list[psutil.Process]:
+    """Live worker processes started by this test process (spawned interpreters)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_worker_left():  # type: ignore[no-untyped-def]
+    yield
+    assert _workers() == []
+
+
+def test_two_launches_at_once_round_trip_tp_broadcast_and_pinning() -> None:
+    bridge = _real("schedule=async")
+    tp = _real("schedule=sync", "placement.target_gpus=2", "placement.draft_gpus=2")
+    with ThreadPoolExecutor(2) as pool:  # two jobs at once: separate rendezvous, no ports
+        a, b = pool.map(lambda e: launch(e, rw.ping_pong, args=(3,), timeout_s=240), [bridge, tp])
+    target, draft = (r.value for r in a)
+    assert [r.role for r in a] == ["target", "draft"] and target["pid"] != draft["pid"]
+    assert target["got"] == [[0, 1, 2, 3], [1, 2, 3, 4], [2, 3, 4, 5]]
+    assert draft["got"] == [[0, 10], [10, 20], [20, 30]]
+    cpus = sorted(os.sched_getaffinity(0))
+    assert [v["cpus"] for v in (target, draft)] == [[cpus[0]], [cpus[1 % len(cpus)]]]
+    assert target["threads"] == draft["threads"] == 1
+    rec = merge_records(a)
+    assert len(rec.rounds) == 3 and [r[1] for r in rec.rounds] == [0, 1, 2]
+    links = [s for s in rec.spans if s[1] == "link"]
+    assert sorted({s[0] for s in links}) == ["link draft->target", "link target->draft"]
+    assert len(links) == 6 and all(0 <= s[2] <= s[3] for s in links)
+    # one group of two ranks: the leader's decision reaches both, the all-reduce sums ranks
+    assert [r.value["decision"] for r in b] == [{"round0": 0}] * 2
+    assert [r.value["sum"] for r in b] == [1.0, 1.0]
+
+
+def test_emulated_wan_link_applies_the_shared_delay_model() -> None:
+    exp = _real("schedule=decentralized", "placement.nodes=2", "network=wan", "seed=3")
+    lk = make_placement(exp).link("stage0", "stage1")
+    assert lk.emulated and lk.model.latency_s == pytest.approx(0.020)  # 20 ms, 1 Gb/s, 2 ms jitter
+    n, nbytes = 40, 12_500  # 0.1 ms on the wire at 1 Gb/s
+    res = launch(exp, rw.stream, args=(n, nbytes), timeout_s=240)
+    measured = res[1].value
+    # one message at a time (acked), so message i's modelled delay is exactly draw i
+    model = LinkDelays(lk.model, exp.seed)
+    expected = [model.model.serialization_s(nbytes) + model.propagation() for _ in range(n)]
+    assert all(m >= e for m, e in zip(measured, expected))  # never released early
+    # loose: this machine is shared and noisy; the benchmark measures it properly
+    assert statistics.median(m - e for m, e in zip(measured, expected)) < 0.010
+    assert statistics.mean(measured) == pytest.approx(lk.model.mean_s(nbytes), rel=0.5)
+
+
+def _fault(how: str, *overrides: str) -> tuple[str, float]:
+    exp = _real("schedule=async", *overrides)
+    with pytest.raises(WorkerFailed) as e:
+        launch(exp, rw.fail, args=(how,), timeout_s=240)
+    return str(e.value), time.monotonic()
+
+
+@pytest.mark.parametrize("how,expected", [
+    ("kill", "rank 1 (draft) died: killed by SIGKILL"),
+    ("raise", "rank 1 (draft) raised ValueError: boom in the draft"),
+])
+def test_a_failing_worker_ends_the_run_with_one_line(how: str, expected: str) -> None:
+    line, _ = _fault(how)
+    assert line == expected
+
+
+def test_a_hanging_worker_trips_the_receive_timeout() -> None:
+    line, _ = _fault("hang", "real.recv_timeout_s=2")
+    assert line == ("rank 0 (target) timed out: got no message from rank 1 (draft) on channel "
+                    "bridge:draft<->target within 2 s (real.recv_timeout_s)")
+
+
+LAUNCHER = """
+import sys
+from tests.conftest import compose_exp
+from real.runtime import launch
+from tests.runtime_workers import sleep_forever
+if __name__ == "__main__":
+    exp = compose_exp("hardware=local", "placement.target_gpus=2", "placement.draft_gpus=2")
+    exp.backend = "real"
+    try:
+        launch(exp, sleep_forever)
+    except KeyboardInterrupt:
+        sys.exit(130)
+"""
+
+
+def test_ctrl_c_in_the_launcher_ends_every_worker(tmp_path: Path) -> None:
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env)
+    try:
+        launcher = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 120
+        workers: list[psutil.Process] = []
+        while len(workers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            workers = [p for p in launcher.children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        gone, alive = psutil.wait_procs(workers, timeout=5)
+        assert alive == []
+    finally:
+        proc.kill()
+        proc.wait()
