@@ -62,12 +62,16 @@ def stream(ctx: WorkerContext, n: int, nbytes: int) -> list[float]:
     return delays
 
 
-def fail(ctx: WorkerContext, how: str) -> None:
-    """The draft's leader fails after one good exchange; the target waits for a second one."""
+def fail(ctx: WorkerContext, how: str, stamp: str = "") -> None:
+    """The draft's leader fails after one good exchange (writing the wall time of the fault to
+    ``stamp`` if given); the target waits for a second message."""
     if ctx.role == "draft":
         out = ctx.transport_to("target")
         out.send(Message(Kind.DRAFT, round=0))
         out.flush()
+        if stamp:
+            with open(stamp, "w") as f:
+                f.write(repr(time.time()))
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if how == "exit":

@@ -11,6 +11,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -98,13 +99,39 @@ def _fault(how: str, *overrides: str) -> tuple[str, float]:
     return str(e.value), time.monotonic()
 
 
-@pytest.mark.parametrize("how,expected", [
-    ("kill", "rank 1 (draft) died: killed by SIGKILL"),
-    ("raise", "rank 1 (draft) raised ValueError: boom in the draft"),
-])
-def test_a_failing_worker_ends_the_run_with_one_line(how: str, expected: str) -> None:
-    line, _ = _fault(how)
-    assert line == expected
+def test_a_raising_worker_ends_the_run_with_one_line() -> None:
+    line, _ = _fault("raise")
+    assert line == "rank 1 (draft) raised ValueError: boom in the draft"
+
+
+CLI = """
+import sys
+import testbed.app as app
+from real.runtime import launch
+from tests.runtime_workers import fail
+# the CLI's error path with a run whose draft worker is SIGKILLed mid-run
+if __name__ == "__main__":
+    stamp = sys.argv.pop()
+    app.run_backend = lambda exp: launch(exp, fail, args=("kill", stamp))
+    app.main()
+"""
+
+
+def test_a_killed_worker_ends_the_cli_run_within_30_s_writing_nothing(tmp_path: Path) -> None:
+    script, stamp, run_dir = tmp_path / "cli.py", tmp_path / "fault", tmp_path / "run"
+    script.write_text(CLI)
+    rdzv_before = set(Path(tempfile.gettempdir()).glob("specbed-rdzv-*"))
+    r = subprocess.run([sys.executable, str(script), "schedule=async", "hardware=local",
+                        "placement.target_gpus=1", "placement.draft_gpus=1", "report.per_run=false",
+                        f"hydra.run.dir={run_dir}", str(stamp)],
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                       text=True, timeout=300)
+    ended = time.time()
+    assert r.returncode == 3, r.stderr
+    assert r.stderr.strip() == "error: rank 1 (draft) died: killed by SIGKILL"
+    assert ended - float(stamp.read_text()) < 30
+    assert not (run_dir / "summary.json").exists()
+    assert set(Path(tempfile.gettempdir()).glob("specbed-rdzv-*")) <= rdzv_before
 
 
 def test_a_hanging_worker_trips_the_receive_timeout() -> None:
