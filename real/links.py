@@ -20,8 +20,9 @@ A ``Transport`` is one rank's end of a channel (a set of ranks with its own proc
   link name, kind ``link``, from the send to the arrival), in the simulator's format.
 
 Two implementations: ``DistTransport`` (torch.distributed point-to-point on the channel's
-process group: gloo for CPU tensors, NCCL for CUDA ones) and ``LoopbackTransport`` (in-process
-queues, for protocol tests that need no processes: ``LoopbackTransport.connect``).
+process group: gloo for CPU tensors, NCCL for CUDA ones; one fixed-size frame per message when
+the tensors fit in ``FRAME_BYTES``) and ``LoopbackTransport`` (in-process queues, for protocol
+tests that need no processes: ``LoopbackTransport.connect``).
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-from testbed.links import HEADER_INTS, LinkDelays
+from testbed.links import HEADER_BYTES, HEADER_INTS, LinkDelays
 from testbed.placement import LinkSpec
 from testbed.recorder import RunRecorder
 
-MAGIC = 0x5BEC
+MAGIC, MAGIC_SPLIT = 0x5BEC, 0x5BED  # tensors inside the frame / sent after it
+FRAME_BYTES = 32 * 1024  # one DistTransport frame: header + tensors that fit
 MAX_TENSORS, MAX_DIMS = 4, 3
 NO_TIME = -(1 << 63)  # header value of an unset send time
 _FIXED = 8  # magic, kind, request, round, version, committed, sent_ns, n_tensors
@@ -91,10 +93,10 @@ class Message:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
-def encode_header(msg: Message) -> torch.Tensor:
+def encode_header(msg: Message, *, inline: bool = True) -> torch.Tensor:
     if len(msg.tensors) > MAX_TENSORS:
         raise ValueError(f"a message carries at most {MAX_TENSORS} tensors, got {len(msg.tensors)}")
-    h = [MAGIC, int(msg.kind), msg.request_id, msg.round, msg.version, msg.committed,
+    h = [MAGIC if inline else MAGIC_SPLIT, int(msg.kind), msg.request_id, msg.round, msg.version, msg.committed,
          round(msg.sent_s * 1e9) if math.isfinite(msg.sent_s) else NO_TIME, len(msg.tensors)]
     for t in msg.tensors:
         if t.dim() > MAX_DIMS or t.dtype not in CODES:
@@ -106,16 +108,17 @@ def encode_header(msg: Message) -> torch.Tensor:
     return torch.tensor(h, dtype=torch.int64)
 
 
-def decode_header(h: torch.Tensor) -> tuple[Message, list[tuple[torch.dtype, tuple[int, ...]]]]:
+def decode_header(h: torch.Tensor) -> tuple[Message, list[tuple[torch.dtype, tuple[int, ...]]], bool]:
+    """(message without tensors, the tensors' (dtype, shape), whether they are inline)."""
     v = h.tolist()
-    if v[0] != MAGIC or not 0 <= v[7] <= MAX_TENSORS:
+    if v[0] not in (MAGIC, MAGIC_SPLIT) or not 0 <= v[7] <= MAX_TENSORS:
         raise LinkError(f"malformed message header {v[:8]}: sender and receiver disagree on the protocol")
     specs = []
     for i in range(v[7]):
         code, ndim, *shape = v[_FIXED + i * (2 + MAX_DIMS): _FIXED + (i + 1) * (2 + MAX_DIMS)]
         specs.append((DTYPES[code], tuple(shape[:ndim])))
     sent = math.nan if v[6] == NO_TIME else v[6] * 1e-9
-    return Message(v[1], v[2], v[3], v[4], v[5], (), sent), specs
+    return Message(v[1], v[2], v[3], v[4], v[5], (), sent), specs, v[0] == MAGIC
 
 
 @dataclass(order=True)
@@ -144,6 +147,7 @@ class Transport(ABC):
         self._inflight = 0
         self._error: BaseException | None = None
         self._closed = False
+        self.release_lateness_s: list[float] = []  # per message: hand-over time - due time
         self._thread = threading.Thread(target=self._release, name=f"send {channel}", daemon=True)
         self._thread.start()
 
@@ -242,6 +246,7 @@ class Transport(ABC):
                 if self._closed:
                     return
                 item = heapq.heappop(self._heap)
+            self.release_lateness_s.append(self.clock() - item.due_s)
             try:
                 self._put(item.msg, item.dst)
             except BaseException as e:  # reported to the caller on its next send/flush
@@ -254,7 +259,13 @@ class Transport(ABC):
 
 
 class DistTransport(Transport):
-    """Point-to-point over a torch.distributed process group (ranks are global ranks)."""
+    """Point-to-point over a torch.distributed process group (ranks are global ranks).
+
+    One message is one fixed-size *frame* (``FRAME_BYTES``: the header, then the tensors'
+    bytes, 8-byte aligned) whenever the tensors fit, so the receiver can post its receive before
+    it knows the sizes; larger payloads follow the frame as one send per tensor. (Two gloo sends
+    back to back cost 1-2 ms more per round trip than one on loopback TCP: measured in
+    benchmarks/bench_transport.py.)"""
 
     def __init__(self, *, group: dist.ProcessGroup | None, device: torch.device | str = "cpu",
                  **kw) -> None:  # type: ignore[no-untyped-def]
@@ -262,9 +273,20 @@ class DistTransport(Transport):
         super().__init__(**kw)
 
     def _put(self, msg: Message, dst: int) -> None:
-        dist.send(encode_header(msg).to(self.device), dst, group=self.group)
-        for t in msg.tensors:
-            dist.send(t.contiguous().to(self.device), dst, group=self.group)
+        tensors = [t.contiguous().to(self.device) for t in msg.tensors]
+        inline = _inline_size(tensors) <= FRAME_BYTES
+        frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=self.device)
+        frame[:HEADER_BYTES] = encode_header(msg, inline=inline).to(self.device).view(torch.uint8)
+        if inline:
+            off = HEADER_BYTES
+            for t in tensors:
+                n = t.numel() * t.element_size()
+                frame[off:off + n] = t.reshape(-1).view(torch.uint8)
+                off += _aligned(n)
+        dist.send(frame, dst, group=self.group)
+        if not inline:
+            for t in tensors:
+                dist.send(t, dst, group=self.group)
 
     def _wait(self, work: dist.Work, timeout_s: float) -> None:
         try:
@@ -275,18 +297,32 @@ class DistTransport(Transport):
             raise
 
     def _get(self, src: int | None, timeout_s: float) -> tuple[int, Message]:
-        header = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
-        work = dist.irecv(header, src=src, group=self.group)
+        frame = torch.empty(FRAME_BYTES, dtype=torch.uint8, device=self.device)
+        work = dist.irecv(frame, src=src, group=self.group)
         self._wait(work, timeout_s)
         if src is None:
             src = work._source_rank()  # gloo: the sender of an any-source receive
-        msg, specs = decode_header(header.cpu())
+        msg, specs, inline = decode_header(frame[:HEADER_BYTES].view(torch.int64).cpu())
         tensors = []
+        off = HEADER_BYTES
         for dtype, shape in specs:
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            self._wait(dist.irecv(t, src=src, group=self.group), timeout_s)
+            if inline:
+                n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                t = frame[off:off + n].view(dtype).reshape(shape).clone()
+                off += _aligned(n)
+            else:
+                t = torch.empty(shape, dtype=dtype, device=self.device)
+                self._wait(dist.irecv(t, src=src, group=self.group), timeout_s)
             tensors.append(t)
         return src, replace(msg, tensors=tuple(tensors))
+
+
+def _aligned(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def _inline_size(tensors: list[torch.Tensor]) -> int:
+    return HEADER_BYTES + sum(_aligned(t.numel() * t.element_size()) for t in tensors)
 
 
 class LoopbackTransport(Transport):

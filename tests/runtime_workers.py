@@ -28,8 +28,9 @@ def ping_pong(ctx: WorkerContext, rounds: int) -> dict:
     elif ctx.is_leader and ctx.role == "draft":
         out, back = ctx.transport_to("target"), ctx.transport_from("target")
         for r in range(rounds):
+            big = torch.arange(20_000, dtype=torch.float32)  # beyond one frame: sent after it
             out.send(Message(Kind.DRAFT, request_id=0, round=r,
-                             tensors=(torch.arange(r, r + 4, dtype=torch.int32),)))
+                             tensors=(torch.arange(r, r + 4, dtype=torch.int32),) + ((big,) if r == 1 else ())))
             got.append(back.recv().tensors[0].tolist())
     elif ctx.is_leader:
         inbox, out = ctx.transport_from("draft"), ctx.transport_to("draft")
@@ -37,7 +38,7 @@ def ping_pong(ctx: WorkerContext, rounds: int) -> dict:
             m = inbox.recv()
             s = ctx.now()
             ctx.rec.round(0, m.round, s, ctx.now(), 4, 1, 1, 2, 5)
-            got.append(m.tensors[0].tolist())
+            got.append(m.tensors[0].tolist() + [t.sum().item() for t in m.tensors[1:]])
             out.send(Message(Kind.VERIFIED, request_id=0, round=r, tensors=(m.tensors[0][:2] * 10,)))
     return {"rank": ctx.rank, "pid": os.getpid(), "decision": decision, "sum": total.item(),
             "threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0)), "got": got}

@@ -17,7 +17,8 @@ from testbed.recorder import RunRecorder
 def test_header_round_trip_keeps_fields_dtypes_and_shapes() -> None:
     msg = Message(Kind.TREE, request_id=3, round=7, version=2, committed=41, sent_s=1.5,
                   tensors=(torch.zeros(5, 3, dtype=torch.int32), torch.ones(5, 10), torch.tensor(2)))
-    back, specs = decode_header(encode_header(msg))
+    back, specs, inline = decode_header(encode_header(msg))
+    assert inline
     assert (back.kind, back.request_id, back.round, back.version, back.committed) == (2, 3, 7, 2, 41)
     assert back.sent_s == pytest.approx(1.5)
     assert specs == [(torch.int32, (5, 3)), (torch.float32, (5, 10)), (torch.int64, ())]
