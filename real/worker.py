@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -56,6 +57,7 @@ class WorkerContext:
     recv_timeout_s: float
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)  # channel name -> group
     transports: dict[str, Transport] = field(default_factory=dict)  # channel name -> this end
+    run_id: str = ""  # the same on every rank of one launch (store keys)
 
     @property
     def info(self) -> RankInfo:
@@ -161,14 +163,14 @@ def make_transports(ctx: WorkerContext) -> dict[str, Transport]:
     return out
 
 
-def run_origin(hosts: int) -> float:
-    """The run's time origin in this process's perf_counter: rank 0's reading after a barrier.
+def run_origin(hosts: int) -> tuple[float, str]:
+    """(the run's time origin in this process's perf_counter: rank 0's reading, a run id).
     On one host every process reads the same monotonic clock; across hosts each rank estimates
     its offset to rank 0 from readings taken right after barriers (median of five)."""
-    box = [time.perf_counter()]
+    box = [time.perf_counter(), uuid.uuid4().hex]
     dist.broadcast_object_list(box, src=0)
     if hosts <= 1:
-        return box[0]
+        return box[0], box[1]
     offsets = []
     for _ in range(5):
         dist.barrier()
@@ -177,7 +179,7 @@ def run_origin(hosts: int) -> float:
         dist.all_gather_object(readings, mine)
         offsets.append(mine - readings[0])
     offsets.sort()
-    return box[0] + offsets[len(offsets) // 2]
+    return box[0] + offsets[len(offsets) // 2], box[1]
 
 
 def setup(exp: ExperimentConfig, pl: Placement, rank: int, device: torch.device, hosts: int,
@@ -185,15 +187,31 @@ def setup(exp: ExperimentConfig, pl: Placement, rank: int, device: torch.device,
     """After init_process_group: groups, the shared clock, transports."""
     timeout = exp.real.recv_timeout_s
     groups = make_groups(pl, timeout)
-    ctx = WorkerContext(exp, pl, rank, device, RunRecorder(), run_origin(hosts), timeout, groups)
+    t0, run_id = run_origin(hosts)
+    ctx = WorkerContext(exp, pl, rank, device, RunRecorder(), t0, timeout, groups, run_id=run_id)
     ctx.transports = make_transports(ctx)
     return ctx
 
 
 def finish(ctx: WorkerContext) -> None:
+    """Flush this worker's messages, then wait for the others (nobody leaves while a peer may
+    still talk to it), at most the receive timeout; a rank that never gets here is named. The
+    barrier is on the rendezvous store: a collective would wait the startup timeout instead."""
     for t in ctx.transports.values():
         t.close()
-    dist.barrier()  # nobody leaves while a peer may still talk to it
+    store = dist.distributed_c10d._get_default_store()
+    key = f"specbed/{ctx.run_id}/finished"
+    store.set(f"{key}/{ctx.rank}", "1")
+    if store.add(key, 1) == ctx.world_size:
+        store.set(f"{key}/all", "1")
+    try:
+        store.wait([f"{key}/all"], timedelta(seconds=ctx.recv_timeout_s))
+    except RuntimeError:
+        pl = ctx.placement
+        missing = [pl.rank(r).describe() for r in range(ctx.world_size)
+                   if not store.check([f"{key}/{r}"])]
+        raise LinkTimeout(f"{ctx.info.describe()} waited {ctx.recv_timeout_s:g} s (real.recv_timeout_s) "
+                          f"at the end of the run for {', '.join(missing) or 'the others'}") from None
 
 
 def failure(rank: int, pl: Placement, e: BaseException) -> tuple[str, str]:
@@ -206,6 +224,8 @@ def failure(rank: int, pl: Placement, e: BaseException) -> tuple[str, str]:
         return "link", f"{who} lost a peer: {first.removeprefix(who).strip()}"
     if "Connection closed by peer" in first or "Connection reset" in first:
         return "link", f"{who} lost a peer: {first}"
+    if isinstance(e, RuntimeError) and "timed out" in first.lower():  # a collective (TP group)
+        return "timeout", f"{who} timed out in a collective (real.recv_timeout_s): {first}"
     return "raised", f"{who} raised {type(e).__name__}: {first}"
 
 

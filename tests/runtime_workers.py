@@ -88,3 +88,8 @@ def fail(ctx: WorkerContext, how: str, stamp: str = "") -> None:
 
 def sleep_forever(ctx: WorkerContext) -> None:
     time.sleep(3600)
+
+
+def target_never_finishes(ctx: WorkerContext) -> None:
+    if ctx.role == "target":
+        time.sleep(3600)

@@ -92,15 +92,8 @@ def test_emulated_wan_link_applies_the_shared_delay_model() -> None:
     assert statistics.mean(measured) == pytest.approx(lk.model.mean_s(nbytes), rel=0.5)
 
 
-def _fault(how: str, *overrides: str) -> tuple[str, float]:
-    exp = _real("schedule=async", *overrides)
-    with pytest.raises(WorkerFailed) as e:
-        launch(exp, rw.fail, args=(how,), timeout_s=240)
-    return str(e.value), time.monotonic()
-
-
 def test_a_raising_worker_ends_the_run_with_one_line() -> None:
-    line, _ = _fault("raise")
+    line = _failure_line(_real("schedule=async"), rw.fail, ("raise",))
     assert line == "rank 1 (draft) raised ValueError: boom in the draft"
 
 
@@ -134,10 +127,47 @@ def test_a_killed_worker_ends_the_cli_run_within_30_s_writing_nothing(tmp_path: 
     assert set(Path(tempfile.gettempdir()).glob("specbed-rdzv-*")) <= rdzv_before
 
 
+def _failure_line(exp: ExperimentConfig, fn: object, args: tuple = ()) -> str:
+    with pytest.raises(WorkerFailed) as e:
+        launch(exp, fn, args=args, timeout_s=240)  # type: ignore[arg-type]
+    return str(e.value)
+
+
 def test_a_hanging_worker_trips_the_receive_timeout() -> None:
-    line, _ = _fault("hang", "real.recv_timeout_s=2")
-    assert line == ("rank 0 (target) timed out: got no message from rank 1 (draft) on channel "
-                    "bridge:draft<->target within 2 s (real.recv_timeout_s)")
+    exp = _real("schedule=async", "real.recv_timeout_s=2")
+    with ThreadPoolExecutor(2) as pool:  # in a receive, and after the other rank finished
+        in_recv = pool.submit(_failure_line, exp, rw.fail, ("hang",))
+        at_end = pool.submit(_failure_line, exp, rw.target_never_finishes)
+    assert in_recv.result() == ("rank 0 (target) timed out: got no message from rank 1 (draft) on "
+                                "channel bridge:draft<->target within 2 s (real.recv_timeout_s)")
+    assert at_end.result() == ("rank 1 (draft) timed out: waited 2 s (real.recv_timeout_s) at the end "
+                               "of the run for rank 0 (target)")
+
+
+@pytest.mark.slow
+def test_torchrun_uses_its_ranks_and_gathers_on_rank_0(tmp_path: Path) -> None:
+    script = tmp_path / "under_torchrun.py"
+    script.write_text(TORCHRUN)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", str(script)], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = sorted(ln for ln in r.stdout.splitlines() if ln.startswith("rank "))
+    assert lines == ["rank 0 writer=True results=[0, 1] got=[[0, 10], [10, 20], [20, 30]]",
+                     "rank 1 writer=False results=[] got=None"]
+
+
+TORCHRUN = """
+import os
+from tests.conftest import compose_exp
+from real.runtime import launch, is_writer
+from tests.runtime_workers import ping_pong
+exp = compose_exp("schedule=async", "hardware=local", "placement.target_gpus=1", "placement.draft_gpus=1")
+exp.backend = "real"
+res = launch(exp, ping_pong, args=(3,))
+print(f"rank {os.environ['RANK']} writer={is_writer()} results={[r.rank for r in res]} "
+      f"got={res[1].value['got'] if res else None}")
+"""
 
 
 LAUNCHER = """
