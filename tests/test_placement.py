@@ -85,3 +85,9 @@ def test_impossible_real_placements_name_the_keys() -> None:
     sim = make_placement(compose_exp("hardware=h100x8", "placement.target_gpus=8"), devices=2)
     assert sim.world_size == 8  # the simulator models the hardware's GPUs, not this machine
 
+
+
+def test_receive_timeout_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="real.recv_timeout_s"):
+        compose_exp("real.recv_timeout_s=0")
+    assert compose_exp("real.recv_timeout_s=2.5").real.recv_timeout_s == 2.5
