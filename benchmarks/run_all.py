@@ -28,6 +28,8 @@ def small_args(name: str, out_dir: Path, cpus: str, threads: int) -> list[str]:
     return {
         "bench_cost_model": ["20000"],
         "bench_sim": ["--tokens", "20000"],
+        "bench_transport": ["--round-trips", "500", "--messages", "100",
+                            "--out", str(out_dir / "bench_transport.json")],
         "bench_decode": ["--new-tokens", "64", "--runs", "3", *pin,
                          "--out", str(out_dir / "bench_decode.json")],
         "bench_hf": ["--prompts", "1", "--new-tokens", "32", "--runs", "1", *pin,

@@ -22,4 +22,11 @@ class RealSetupError(ValueError):
     a model preset without weights); the message names the key and the fix."""
 
 
+class WorkerFailed(RuntimeError):
+    """A worker of a multi-process run died, hung past its receive timeout or raised; the run
+    was ended. The message is one line naming the rank, its role and the cause."""
+
+    exit_code = 3  # not 2: the configuration was fine, the run failed
+
+
 USER_ERRORS = (WeightsNotFound, UnsupportedCheckpoint, RealSetupError)

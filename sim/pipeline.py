@@ -18,8 +18,9 @@ from sim.context import SimContext, SimRequest
 from sim.links import Link
 from sim.quant import spec
 from sim.topology import Topology, build_topology
+from testbed.links import TOKEN_BYTES
 
-TOKEN_BYTES = 4  # a token id on the wire (int32)
+__all__ = ["TOKEN_BYTES", "Pipeline", "ar_pipeline", "topology_for"]
 
 
 def topology_for(ctx: SimContext) -> Topology:

@@ -69,10 +69,12 @@ def main(cfg: DictConfig) -> float | None:
     try:
         result = run_backend(exp)
     except Exception as e:  # a user-actionable setup error: one line, exit 2, nothing written
-        if not is_user_error(e):
+        # errors with an `exit_code` (a failed worker: real.errors.WorkerFailed) print one line too
+        code = 2 if is_user_error(e) else getattr(e, "exit_code", None)
+        if code is None:
             raise
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(code) from None
     summary = write_run(run_dir, exp, result)
     if exp.report.per_run:
         from testbed.report import build_report

@@ -174,6 +174,7 @@ class RealConfig:
     baseline: bool = True  # also run `ar` on the same prompts to report speedup
     progress: bool = True
     ignore_eos: bool = False  # true: always generate workload.max_new_tokens tokens
+    recv_timeout_s: float = 20.0  # multi-process runs: a receive or collective waits at most this
 
 
 @dataclass
@@ -385,4 +386,5 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
                           "this machine: python -m testbed backend=real +calibrate)")
     _choice("real.dtype", exp.real.dtype, ("fp32", "bf16", "fp16"))
     _int_range("real.threads", exp.real.threads, 0, 1024)
+    _float_range("real.recv_timeout_s", exp.real.recv_timeout_s, 0.0, 3600.0, lo_open=True)
     return exp
