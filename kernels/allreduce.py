@@ -11,7 +11,8 @@ says why.
   process group's timeout.
 - ``ShmAllReduce``: the ranks of one host share a buffer in /dev/shm; each writes its partial sum
   to its slot and publishes a sequence number, then polls the peers' (kernels/shm_allreduce.cpp:
-  flag + data, no barrier, double-buffered). Every wait has a timeout and names the peer that did
+  flag + data, no barrier, double-buffered; after ``spin_us`` of polling a wait sleeps on a
+  futex, which the late peer's publication wakes). Every wait has a timeout and names the peer that did
   not arrive. fp32 sums; other dtypes are summed in fp32 and rounded back.
 """
 
@@ -94,7 +95,7 @@ class GlooAllReduce:
 class _ShmContext(ctypes.Structure):  # shm_allreduce.cpp: Context
     _fields_ = [("base", ctypes.c_void_p), ("rank", ctypes.c_long), ("world", ctypes.c_long),
                 ("capacity", ctypes.c_long), ("seq", ctypes.c_long), ("timeout_s", ctypes.c_double),
-                ("failed_peer", ctypes.c_long)]
+                ("spin_s", ctypes.c_double), ("failed_peer", ctypes.c_long)]
 
 
 _SHM_LIB: ctypes.CDLL | None = None
@@ -127,11 +128,13 @@ class ShmAllReduce:
     its name goes to the others over the group, every rank maps it, and rank 0 removes the file
     once all have (the mapping outlives it, so nothing is left in /dev/shm even after a crash).
     ``capacity``: floats per slot (larger inputs go in chunks); ``timeout_s``: the longest wait
-    for a peer before ``TimeoutError`` naming it.
+    for a peer before ``TimeoutError`` naming it; ``spin_us``: how long a wait polls before it
+    sleeps on a futex (polling is fastest when every rank has its own core; sleeping lets an
+    oversubscribed machine run the peer that is late).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, capacity: int = 1 << 16,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, spin_us: float = 100.0) -> None:
         lib = _shm_lib()
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -153,7 +156,7 @@ class ShmAllReduce:
                     os.unlink(name[0])
         self._base = ctypes.c_char.from_buffer(self._map)  # pins the mapping while referenced
         self._ctx = _ShmContext(ctypes.addressof(self._base), self.rank, self.world, capacity, 0,
-                                timeout_s, -1)
+                                timeout_s, spin_us * 1e-6, -1)
         self._fn = ctypes.cast(lib.sb_ar_allreduce, ctypes.c_void_p).value
         self._allreduce = lib.sb_ar_allreduce
 

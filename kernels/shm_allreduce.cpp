@@ -8,6 +8,7 @@
 // polls the peers' sequence numbers (no barrier, no syscall on the fast path) and, once every
 // slot shows the current number, sums the slots in rank order (the same order on every rank,
 // so every rank gets bit-identical sums and the ranks' hidden states never drift apart).
+// A wait that polls longer than spin_s sleeps on a futex instead (see wait_for).
 //
 // Double buffer: all-reduce number s uses the slots of phase s % 2. A rank can reach s + 2
 // (the same slots again) only after seeing every peer's number s + 1, which each peer published
@@ -15,12 +16,18 @@
 // more than one call ahead. Inputs larger than a slot go through in slot-sized chunks.
 //
 // Layout (sb_ar_bytes): [phase 0: rank 0 slot, rank 1 slot, ...][phase 1: ...]; a slot is a
-// 64-byte header (the sequence number, alone on its cache line) + capacity floats, padded to 64.
+// 64-byte header (sequence number and sleeper count, alone on their cache line) + capacity floats,
+// padded to 64.
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <climits>
 #include <cstdint>
 #include <cstring>
-#include <sched.h>
+#include <ctime>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define SB_PAUSE() _mm_pause()
@@ -31,7 +38,6 @@
 namespace {
 
 constexpr long kHeader = 64;
-constexpr long kSpinsBeforeYield = 1 << 14;  // then sched_yield: a descheduled peer needs the core
 
 struct Context {  // kernels/allreduce.py: _ShmContext
     char* base;        // the mapped buffer (sb_ar_bytes(world, capacity) bytes, zeroed)
@@ -39,6 +45,7 @@ struct Context {  // kernels/allreduce.py: _ShmContext
     long capacity;     // floats per slot
     long seq;          // all-reduces (chunks) done by this rank
     double timeout_s;  // per wait
+    double spin_s;     // poll this long before sleeping on the futex
     long failed_peer;  // set when a wait timed out
 };
 
@@ -48,30 +55,49 @@ inline char* slot(const Context& c, long phase, long r) {
     return c.base + (phase * c.world + r) * slot_bytes(c.capacity);
 }
 
-inline int64_t* flag(char* s) { return reinterpret_cast<int64_t*>(s); }
+// A slot's header: the sequence number published (32 bits: a futex word; compared for equality,
+// so wrapping is harmless) and how many peers sleep on it.
+inline uint32_t* flag(char* s) { return reinterpret_cast<uint32_t*>(s); }
+inline uint32_t* sleepers(char* s) { return reinterpret_cast<uint32_t*>(s + 4); }
 inline float* data(char* s) { return reinterpret_cast<float*>(s + kHeader); }
 
-// Wait until rank r's slot shows sequence number seq; false on timeout.
-bool wait_for(const Context& c, char* s, int64_t seq) {
+inline long futex(uint32_t* word, int op, uint32_t val, const timespec* timeout) {
+    return syscall(SYS_futex, word, op, val, timeout, nullptr, 0);  // shared (not _PRIVATE): across processes
+}
+
+// Wait until slot s shows sequence number seq; false on timeout. Polls for spin_s (the peer is
+// usually a few microseconds away on its own core); then sleeps on the flag's futex, so that a
+// rank whose peer was descheduled (a shared, oversubscribed machine) gives its core away
+// instead of burning its scheduler share. The publisher wakes sleepers (Dekker-style: each side
+// writes its word, then reads the other's, both sequentially consistent: no lost wake-up).
+bool wait_for(const Context& c, char* s, uint32_t seq) {
     using clock = std::chrono::steady_clock;
-    const auto deadline = clock::now() + std::chrono::duration<double>(c.timeout_s);
+    const auto start = clock::now();
+    const auto spin_until = start + std::chrono::duration<double>(c.spin_s);
     for (long spins = 0;; ++spins) {
-        if (__atomic_load_n(flag(s), __ATOMIC_ACQUIRE) >= seq) return true;
-        if (spins < kSpinsBeforeYield) {
-            SB_PAUSE();
-        } else {
-            sched_yield();
-        }
-        if ((spins & 255) == 255 && clock::now() > deadline) return false;
+        if (__atomic_load_n(flag(s), __ATOMIC_ACQUIRE) == seq) return true;
+        SB_PAUSE();
+        if ((spins & 63) == 63 && clock::now() > spin_until) break;
+    }
+    const auto deadline = start + std::chrono::duration<double>(c.timeout_s);
+    const timespec nap{0, 2000000};  // 2 ms: re-check the deadline now and then
+    for (;;) {
+        __atomic_fetch_add(sleepers(s), 1, __ATOMIC_SEQ_CST);
+        const uint32_t seen = __atomic_load_n(flag(s), __ATOMIC_SEQ_CST);
+        if (seen != seq) futex(flag(s), FUTEX_WAIT, seen, &nap);  // returns at once if it changed
+        __atomic_fetch_sub(sleepers(s), 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(flag(s), __ATOMIC_ACQUIRE) == seq) return true;
+        if (clock::now() > deadline) return false;
     }
 }
 
 int allreduce_chunk(Context& c, float* buf, long n) {
-    const int64_t seq = ++c.seq;
+    const uint32_t seq = static_cast<uint32_t>(++c.seq);
     const long phase = seq & 1;
     char* mine = slot(c, phase, c.rank);
     std::memcpy(data(mine), buf, n * sizeof(float));
-    __atomic_store_n(flag(mine), seq, __ATOMIC_RELEASE);  // publishes the data written above
+    __atomic_store_n(flag(mine), seq, __ATOMIC_SEQ_CST);  // publishes the data written above
+    if (__atomic_load_n(sleepers(mine), __ATOMIC_SEQ_CST) != 0) futex(flag(mine), FUTEX_WAKE, INT_MAX, nullptr);
     for (long r = 0; r < c.world; ++r) {
         if (r != c.rank && !wait_for(c, slot(c, phase, r), seq)) {
             c.failed_peer = r;
