@@ -86,8 +86,8 @@ def _load(name: str, dtype: torch.dtype):
                       max_seq=512)[0]
 
 
-def _time_forwards(model, tokens: torch.Tensor, pos: int, iters: int) -> float:
-    """Median seconds of one forward of ``tokens`` at slots pos.. (overwritten every time)."""
+def _time_forwards(model, tokens: torch.Tensor, pos: int, iters: int) -> list[float]:
+    """Seconds of ``iters`` forwards of ``tokens`` at slots pos.. (overwritten every time)."""
     times = []
     with torch.inference_mode():
         model(tokens, pos)  # warm-up (packs the native layer pointers)
@@ -95,7 +95,7 @@ def _time_forwards(model, tokens: torch.Tensor, pos: int, iters: int) -> float:
             start = time.perf_counter()
             model(tokens, pos)
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def _allreduce_latency(backend, n: int = 576, iters: int = 2000) -> dict:
@@ -181,19 +181,20 @@ def main() -> None:
     print("all-reduce of 576 fp32, 2 pinned processes:")
     for b, r in result["allreduce_576_fp32"].items():
         print(f"  {b:5s} p50 {r['p50_us']:8.1f} us   p99 {r['p99_us']:8.1f} us   mean {r['mean_us']:8.1f} us")
-    print(f"forward latency ({args.dtype}, context {args.context}; median of {args.iters}, "
-          f"{args.repeats} interleaved repeats); ratio = TP2/TP1 per repeat, median [min, max]:")
+    print(f"forward latency ({args.dtype}, context {args.context}; {args.repeats} interleaved repeats "
+          f"of {args.iters} forwards). ms: median of the repeats' medians; ratio /TP1: per repeat "
+          "(paired), median [min, max]; best: fastest forward / fastest TP1 forward (noise only adds):")
+    print(f"  {'model':6s} {'k':>2s}  {'variant':12s} {'ms':>8s}  {'ratio /TP1':>20s}  {'best':>5s}")
     for name, rows in result["forward"].items():
         for k, row in rows.items():
-            tp1 = statistics.median(row["tp1"])
-            alone = [t / t1 for t1, t in zip(row["tp1"], row["shard0_alone"], strict=True)]
-            line = (f"  {name:6s} k={k}: TP1 {1e3 * tp1:7.2f} ms | rank 0's shard alone "
-                    f"x{statistics.median(alone):.2f}")
-            for b in BACKENDS:
-                ratios = [t2 / t1 for t1, t2 in zip(row["tp1"], row[f"tp2_{b}"], strict=True)]
-                line += (f" | TP2 {b} {1e3 * statistics.median(row[f'tp2_{b}']):7.2f} ms "
-                         f"x{statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]")
-            print(line)
+            tp1 = [statistics.median(r) for r in row["tp1"]]
+            best1 = min(min(r) for r in row["tp1"])
+            for variant in ("tp1", "shard0_alone", *(f"tp2_{b}" for b in BACKENDS)):
+                med = [statistics.median(r) for r in row[variant]]
+                ratios = [m / t for m, t in zip(med, tp1, strict=True)]
+                best = min(min(r) for r in row[variant]) / best1
+                print(f"  {name:6s} {k:>2s}  {variant:12s} {1e3 * statistics.median(med):8.2f}  "
+                      f"{statistics.median(ratios):5.2f} [{min(ratios):5.2f}, {max(ratios):5.2f}]  {best:5.2f}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

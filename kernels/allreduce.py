@@ -154,6 +154,7 @@ class ShmAllReduce:
             if self.rank == 0:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name[0])
+        self.path = name[0]  # removed already; kept to say which buffer this was
         self._base = ctypes.c_char.from_buffer(self._map)  # pins the mapping while referenced
         self._ctx = _ShmContext(ctypes.addressof(self._base), self.rank, self.world, capacity, 0,
                                 timeout_s, spin_us * 1e-6, -1)

@@ -180,6 +180,8 @@ def _shm_peer_missing(rank: int, world: int, out: Path) -> None:
     from kernels.allreduce import ShmAllReduce
 
     ar = ShmAllReduce(timeout_s=1.0)
+    if rank == 0:  # rank 0 removes the file once all have mapped it: nothing left even on a crash
+        assert not Path(ar.path).exists()
     x = torch.full((10,), float(rank + 1))
     ar(x)  # both ranks: 1 + 2
     assert torch.equal(x, torch.full((10,), 3.0))
