@@ -241,7 +241,8 @@ def decode_layers(model, lo: int, hi: int, h: Tensor, cos: Tensor, sin: Tensor, 
         if hook is None:
             return None
         ar_fn, ar_ctx = hook
-    elif model.layers[lo].attention.n_heads != model.args.n_heads:
+    elif (model.layers[lo].attention.n_heads != model.args.n_heads
+          or model.layers[lo].feed_forward.w2.shape[1] != model.args.ffn_dim):
         return None  # sharded without an all-reduce: not this kernel's to decide
     packed = _pack(model, lo, hi)
     if packed is None or _CODES[h.dtype] != packed[1].dtype:
