@@ -486,6 +486,32 @@ struct LayerDims {  // kernels/native.py: _LayerDims
     float eps;
 };
 
+// Tensor parallelism (real/tp.py): a rank holds some of each layer's heads (n_heads, n_kv_heads
+// are its own) and a slice of the FFN (ffn_dim is its own), so the output and down projections
+// give partial sums. ``fn`` sums buf [n] over the ranks in place (the residual is added after,
+// so it is counted once); it returns 0, or non-zero to abort the call with that code.
+// fn == nullptr: a single rank, the projections add the residual directly.
+typedef int (*AllReduceFn)(float* buf, long n, void* ctx);
+struct AllReduce {
+    AllReduceFn fn;
+    void* ctx;
+};
+
+// y [T, N] = x W^T summed over the ranks, then added to the residual h (in place)
+template <typename W, int T>
+int project_add(const AllReduce& ar, const float* xf, long xs, const W* w, float* h, long N, long K,
+                int threads) {
+    if (ar.fn == nullptr) {
+        linear_t<W, float, T>(xf, xs, w, h, h, N, K, threads);
+        return 0;
+    }
+    std::vector<float> part(T * N);
+    linear_t<W, float, T>(xf, xs, w, nullptr, part.data(), N, K, threads);
+    if (const int rc = ar.fn(part.data(), T * N, ar.ctx)) return rc;
+    for (long i = 0; i < T * N; ++i) h[i] += part[i];
+    return 0;
+}
+
 template <typename A>
 inline void load_row(const void* p, long off, long n, float* out) {
     const A* a = static_cast<const A*>(p) + off;
@@ -638,8 +664,8 @@ void attend(const LayerDims& dm, const float* q, const C* kc, const C* vc, const
 }
 
 template <typename W, int T>
-void layer_t(const LayerDims& dm, const LayerPtrs& L, float* h, const long* slots, const float* cos,
-             const float* sin, const uint8_t* mask, long S, int threads) {
+int layer_t(const LayerDims& dm, const LayerPtrs& L, const AllReduce& ar, float* h, const long* slots,
+            const float* cos, const float* sin, const uint8_t* mask, long S, int threads) {
     const long dim = dm.dim, hq = dm.n_heads, hkv = dm.n_kv_heads, d = dm.head_dim, F = dm.ffn_dim;
     const long nqkv = (hq + 2 * hkv) * d;
     std::vector<W> xin(T * (F > dim ? (F > hq * d ? F : hq * d) : (dim > hq * d ? dim : hq * d)));
@@ -670,7 +696,8 @@ void layer_t(const LayerDims& dm, const LayerPtrs& L, float* h, const long* slot
                          static_cast<const uint16_t*>(L.v_cache), slots, mask, S, T, att.data(), threads);
     for (long i = 0; i < T * hq * d; ++i) store_act(xin.data(), i, att[i]);
     xs = prepare_input<W>(xin.data(), T, hq * d, buf, &xf);
-    linear_t<W, float, T>(xf, xs, static_cast<const W*>(L.wo), h, h, dim, hq * d, threads);
+    if (const int rc = project_add<W, T>(ar, xf, xs, static_cast<const W*>(L.wo), h, dim, hq * d, threads))
+        return rc;
 
     // MLP block
     rms_norm_rows<W>(h, static_cast<const W*>(L.ffn_norm), xin.data(), T, dim, dm.eps);
@@ -678,12 +705,13 @@ void layer_t(const LayerDims& dm, const LayerPtrs& L, float* h, const long* slot
     std::vector<W> act(T * F);
     swiglu_t<W, W, T>(xf, xs, static_cast<const W*>(L.w13), act.data(), F, dim, threads);
     xs = prepare_input<W>(act.data(), T, F, buf, &xf);
-    linear_t<W, float, T>(xf, xs, static_cast<const W*>(L.w2), h, h, dim, F, threads);
+    return project_add<W, T>(ar, xf, xs, static_cast<const W*>(L.w2), h, dim, F, threads);
 }
 
 template <typename W>
-int layers_any(const LayerDims& dm, const LayerPtrs* layers, int n, void* hio, const long* slots,
-               const void* cos_in, const void* sin_in, const uint8_t* mask, long S, long T, int threads) {
+int layers_any(const LayerDims& dm, const LayerPtrs* layers, const AllReduce& ar, int n, void* hio,
+               const long* slots, const void* cos_in, const void* sin_in, const uint8_t* mask, long S,
+               long T, int threads) {
     if (T < 1 || T > kMaxT || dm.head_dim > 512 || dm.n_heads % dm.n_kv_heads) return 1;
     const long dim = dm.dim, d = dm.head_dim;
     std::vector<float> h(T * dim), cos(T * d), sin(T * d);
@@ -691,9 +719,11 @@ int layers_any(const LayerDims& dm, const LayerPtrs* layers, int n, void* hio, c
     load_any(dm.dtype, cos_in, 0, T * d, cos.data());
     load_any(dm.dtype, sin_in, 0, T * d, sin.data());
     for (int l = 0; l < n; ++l) {
-#define SB_LAYER(TT) layer_t<W, TT>(dm, layers[l], h.data(), slots, cos.data(), sin.data(), mask, S, threads)
+        int rc = 0;
+#define SB_LAYER(TT) rc = layer_t<W, TT>(dm, layers[l], ar, h.data(), slots, cos.data(), sin.data(), mask, S, threads)
         SB_DISPATCH_T(SB_LAYER)
 #undef SB_LAYER
+        if (rc) return rc;  // hio untouched: the caller raises (the ranks are out of step now)
     }
     store_any(dm.dtype, hio, 0, T * dim, h.data());
     return 0;
@@ -716,10 +746,14 @@ int sb_swiglu(int dtype, const void* x, const void* w, void* y, long T, long F, 
 
 // Layers [0, n) of ``layers`` on hidden states hio [T, dim] (dims.dtype), updated in place.
 // slots [T]: cache slots written; mask [T, S] (1 = attend) or null: token t sees slots <= slots[t].
+// allreduce/ctx: the tensor-parallel sum (see AllReduce), or null on a single rank.
 int sb_layers(const LayerDims* dims, const LayerPtrs* layers, int n, void* hio, const long* slots,
-              const void* cos, const void* sin, const uint8_t* mask, long S, long T, int threads) {
-    return dims->dtype == 0 ? layers_any<float>(*dims, layers, n, hio, slots, cos, sin, mask, S, T, threads)
-                            : layers_any<uint16_t>(*dims, layers, n, hio, slots, cos, sin, mask, S, T, threads);
+              const void* cos, const void* sin, const uint8_t* mask, long S, long T, int threads,
+              AllReduceFn allreduce, void* ctx) {
+    const AllReduce ar{allreduce, ctx};
+    return dims->dtype == 0
+               ? layers_any<float>(*dims, layers, ar, n, hio, slots, cos, sin, mask, S, T, threads)
+               : layers_any<uint16_t>(*dims, layers, ar, n, hio, slots, cos, sin, mask, S, T, threads);
 }
 
 int sb_has_avx512() {

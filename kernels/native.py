@@ -63,24 +63,25 @@ def _cache_dir() -> Path:
     return Path(root) / "specbed"
 
 
-def build() -> Path | None:
-    """Compile gemv.cpp (or reuse the cached library); None if no compiler or it fails."""
+def build(source: Path = SOURCE) -> Path | None:
+    """Compile ``source`` (default gemv.cpp) into a shared library (or reuse the cached one);
+    None if no compiler or it fails."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None or not SOURCE.is_file():
+    if cxx is None or not source.is_file():
         return None
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_id()]).encode()).hexdigest()
-    lib = _cache_dir() / f"gemv-{key[:16]}.so"
+    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, version, _cpu_id()]).encode()).hexdigest()
+    lib = _cache_dir() / f"{source.stem}-{key[:16]}.so"
     if lib.is_file():
         return lib
     try:
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             out = Path(tmp) / lib.name
-            proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)],
+            proc = subprocess.run([cxx, *FLAGS, str(source), "-o", str(out)],
                                   capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:
                 warnings.warn(f"kernels.native: build failed, using oneDNN:\n{proc.stderr[-2000:]}",
@@ -120,7 +121,7 @@ def _load() -> ctypes.CDLL | None:
     lib.sb_swiglu.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, i32]
     lib.sb_swiglu.restype = i32
     lib.sb_layers.argtypes = [ctypes.POINTER(_LayerDims), ctypes.POINTER(_LayerPtrs), i32, ptr, ptr,
-                              ptr, ptr, ptr, i64, i64, i32]
+                              ptr, ptr, ptr, i64, i64, i32, ptr, ptr]
     lib.sb_layers.restype = i32
     return lib
 
@@ -202,6 +203,8 @@ def _pack(model, lo: int, hi: int) -> tuple[object, _LayerDims] | None:
     if tensors is None:
         return None
     a, n = model.args, hi - lo
+    # a tensor-parallel rank (real/tp.py) holds its own heads and FFN slice, the same in every layer
+    att, ffn_dim = model.layers[lo].attention, model.layers[lo].feed_forward.w2.shape[1]
     weights = [t for i, t in enumerate(tensors) if i % 8 < 6]
     caches = [t for i, t in enumerate(tensors) if i % 8 >= 6]
     dtype, cache_dtype = weights[0].dtype, caches[0].dtype
@@ -211,7 +214,7 @@ def _pack(model, lo: int, hi: int) -> tuple[object, _LayerDims] | None:
         return None
     ptrs = tuple(map(_data_ptr, tensors))
     packed = (_LayerPtrs * n)(*(_LayerPtrs(*ptrs[8 * i:8 * i + 8]) for i in range(n)))
-    dims = _LayerDims(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim,
+    dims = _LayerDims(a.dim, att.n_heads, att.n_kv_heads, a.head_dim, ffn_dim,
                       caches[0].shape[2], _CODES[dtype], _CODES[cache_dtype], a.norm_eps)
     packs[(lo, hi)] = (epoch, tensors, ptrs, packed, dims)
     return packed, dims
@@ -229,6 +232,18 @@ def decode_layers(model, lo: int, hi: int, h: Tensor, cos: Tensor, sin: Tensor, 
     t = h.shape[1]
     if t > MAX_TOKENS or h.dtype not in _CODES or cos.dtype != h.dtype:
         return None
+    # Tensor parallel (real/tp.py): the layers' partial sums are all-reduced inside the call
+    # through the group's native callback; a group without one takes the op-by-op path, whose
+    # module hooks all-reduce. Never run sharded layers without the sums.
+    allreduce, ar_fn, ar_ctx = getattr(model, "tp_allreduce", None), None, None
+    if allreduce is not None:
+        hook = allreduce.native()
+        if hook is None:
+            return None
+        ar_fn, ar_ctx = hook
+    elif (model.layers[lo].attention.n_heads != model.args.n_heads
+          or model.layers[lo].feed_forward.w2.shape[1] != model.args.ffn_dim):
+        return None  # sharded without an all-reduce: not this kernel's to decide
     packed = _pack(model, lo, hi)
     if packed is None or _CODES[h.dtype] != packed[1].dtype:
         return None
@@ -242,7 +257,9 @@ def decode_layers(model, lo: int, hi: int, h: Tensor, cos: Tensor, sin: Tensor, 
     cos, sin = cos.contiguous(), sin.contiguous()
     rc = _LIB.sb_layers(ctypes.byref(dims), layers, hi - lo, out.data_ptr(), slots.data_ptr(),
                         cos.data_ptr(), sin.data_ptr(), None if mask is None else mask.data_ptr(),
-                        kv_len, t, torch.get_num_threads())
+                        kv_len, t, torch.get_num_threads(), ar_fn, ar_ctx)
+    if rc > 1:  # the all-reduce failed mid-way: the ranks are out of step, falling back would hang
+        raise allreduce.error(rc)
     return out if rc == 0 else None
 
 

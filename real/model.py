@@ -191,6 +191,9 @@ class Transformer(nn.Module):
         self.kv_len = 0
         self.max_seq = 0  # 0 until setup_cache
         self.cache_epoch = 0  # bumped by every setup_cache (new KVCache modules)
+        # Set by real.tp.apply_tp on a tensor-parallel rank (kernels.allreduce.AllReduce): the
+        # per-layer sums run as module hooks; a kernel fusing several layers must call it too.
+        self.tp_allreduce = None
 
     # ------------------------------------------------------------------------------ setup
     @property
@@ -218,7 +221,8 @@ class Transformer(nn.Module):
         max_seq = min(max_seq or self.args.max_seq_len, self.args.max_seq_len)
         lo, hi = layers or (0, self.args.n_layers)
         for i, layer in enumerate(self.layers):
-            layer.attention.kv_cache = KVCache(max_batch, self.args.n_kv_heads, max_seq, self.args.head_dim,
+            # the layer's own K/V heads: a tensor-parallel rank holds only some (real.tp)
+            layer.attention.kv_cache = KVCache(max_batch, layer.attention.n_kv_heads, max_seq, self.args.head_dim,
                                                dtype or self.dtype, self.device) if lo <= i < hi else None
         self.max_seq, self.kv_len = max_seq, 0
         self.cache_epoch += 1  # tells kernels that cached pointers to the old caches are stale
