@@ -11,11 +11,13 @@ and is memoised per process, so a sweep measures it once per prompt set and samp
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -93,15 +95,35 @@ def cache_slots(exp: ExperimentConfig, requests: list[RealRequest]) -> tuple[int
 
 
 def run(exp: ExperimentConfig) -> RunResult:
+    from testbed.placement import make_placement
+
+    placement = make_placement(exp)
+    if placement.world_size > 1:
+        return _run_spawned(exp)
     with _threads(exp.real.threads), torch.inference_mode():
         return _run(exp)
 
 
-def _run(exp: ExperimentConfig) -> RunResult:
+@dataclass
+class _Served:
+    """What one rank of a run produces (picklable, sent back to the launcher)."""
+
+    rec: RunRecorder
+    baseline: RunRecorder | None
+    extra: dict
+    telemetry: object = None  # pandas frame (leader)
+    telemetry_summary: dict | None = None
+
+
+def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader: bool) -> _Served:
+    """Load, serve the prompts with the schedule and then ``ar``; ``tp`` = (index, degree,
+    process group) shards both models over a tensor-parallel group first."""
     t = exp.pair.target
     target, tokenizer = load(t.path, "pair.target", t.name, exp.real.dtype)
-    draft = make_draft(exp, target, tokenizer, SamplingParams(
-        exp.sampling.temperature, exp.sampling.top_k, exp.sampling.top_p))
+    params = SamplingParams(exp.sampling.temperature, exp.sampling.top_k, exp.sampling.top_p)
+    draft = make_draft(exp, target, tokenizer, params)
+    if tp is not None:
+        shard_models(target, draft, tp, exp.real.allreduce)
     requests = build_requests(exp, tokenizer, target.args.max_seq_len)
     target_slots, draft_slots = cache_slots(exp, requests)
     if target.max_seq < target_slots:
@@ -109,20 +131,74 @@ def _run(exp: ExperimentConfig) -> RunResult:
     if isinstance(draft, ModelDraft) and draft.model.max_seq < draft_slots:
         draft.model.setup_cache(draft_slots)
     eos = frozenset() if exp.real.ignore_eos else frozenset(tokenizer.eos_token_ids)
+    progress = exp.real.progress and leader
     telemetry = Telemetry(exp.real.device)
     schedule_extra: dict = {}
-    with telemetry:
-        rec = serve(exp, schedule_impl(exp), target, draft, requests, eos, exp.real.progress,
-                    schedule_extra)
+    with telemetry if leader else contextlib.nullcontext():
+        rec = serve(exp, schedule_impl(exp), target, draft, requests, eos, progress, schedule_extra)
     baseline = None
     if exp.schedule.name != "ar" and exp.real.baseline:
         key = baseline_key(exp, requests)
         if key not in _BASELINES:
-            _BASELINES[key] = serve(exp, "ar", target, None, requests, eos, exp.real.progress)
+            _BASELINES[key] = serve(exp, "ar", target, None, requests, eos, progress)
         baseline = _BASELINES[key]
     extra = {"draft": None if draft is None else draft.name, "dtype": exp.real.dtype,
              "threads": torch.get_num_threads(), "workload_split": exp.workload.split,
              "max_new_tokens": exp.workload.max_new_tokens, **schedule_extra}
-    return RunResult(recorder=rec, baseline=baseline, extra=extra,
-                     artifacts={"telemetry.parquet": telemetry.frame(),
-                                "run_info.json": {"telemetry": telemetry.summary()}})
+    if not leader:
+        return _Served(rec, baseline, extra)
+    return _Served(rec, baseline, extra, telemetry.frame(), telemetry.summary())
+
+
+def shard_models(target: Transformer, draft: Draft | None, tp: tuple[int, int, object],
+                 allreduce: str) -> None:
+    """Tensor parallelism over the group: the target, and the draft model when it has one of
+    its own (an early-exit draft shares the target's layers, an n-gram draft has none)."""
+    from real.tp import apply_tp
+
+    index, degree, group = tp
+    apply_tp(target, rank=index, world=degree, group=group, allreduce=allreduce)
+    if isinstance(draft, ModelDraft):
+        apply_tp(draft.model, rank=index, world=degree, group=group, allreduce=allreduce)
+
+
+def serve_worker(ctx) -> _Served:  # type: ignore[no-untyped-def]  # ctx: real.worker.WorkerContext
+    """One rank of a multi-process `ar`/`sync`/serial-tree run. Every rank of the group runs the
+    same schedule on its shard (SPMD): all-reduced activations and the replicated LM head give
+    every rank the same logits bit for bit, and the same seeds give the same decisions, so the
+    ranks enter the same collectives with no per-forward broadcast. The leader's records are the
+    run's; the others' outputs are compared with them (a divergence is an error, not a hang)."""
+    exp = ctx.exp
+    group = ctx.group
+    tp = (ctx.info.index, group.tp, ctx.tp_group()) if group.tp > 1 else None
+    with torch.inference_mode():
+        served = _serve_all(exp, tp, ctx.is_leader)
+    ctx.rec = served.rec if ctx.is_leader else RunRecorder()
+    return served
+
+
+def _run_spawned(exp: ExperimentConfig) -> RunResult:
+    from real.runtime import launch
+
+    results = launch(exp, serve_worker)
+    if not results:  # torchrun: not rank 0
+        return RunResult(recorder=RunRecorder(), baseline=None, extra={"writer": False})
+    leader = min(results, key=lambda r: r.rank).value
+    for other in results:
+        mine = [r["output_ids"] for r in other.value.rec.requests]
+        if mine != [r["output_ids"] for r in leader.rec.requests]:
+            raise RealSetupError(
+                f"rank {other.rank} ({other.role}) generated other tokens than rank 0: the ranks of "
+                "a tensor-parallel group diverged (non-deterministic all-reduce?); rerun with "
+                "real.allreduce=gloo")
+    extra = {**leader.extra, "processes": len(results), "allreduce": exp.real.allreduce}
+    return RunResult(recorder=leader.rec, baseline=leader.baseline, extra=extra,
+                     artifacts={"telemetry.parquet": leader.telemetry,
+                                "run_info.json": {"telemetry": leader.telemetry_summary}})
+
+
+def _run(exp: ExperimentConfig) -> RunResult:
+    served = _serve_all(exp, None, True)
+    return RunResult(recorder=served.rec, baseline=served.baseline, extra=served.extra,
+                     artifacts={"telemetry.parquet": served.telemetry,
+                                "run_info.json": {"telemetry": served.telemetry_summary}})

@@ -75,6 +75,8 @@ def main(cfg: DictConfig) -> float | None:
             raise
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(code) from None
+    if result.extra.get("writer") is False:  # torchrun: only rank 0 writes the run directory
+        return None
     summary = write_run(run_dir, exp, result)
     if exp.report.per_run:
         from testbed.report import build_report

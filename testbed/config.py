@@ -175,6 +175,7 @@ class RealConfig:
     progress: bool = True
     ignore_eos: bool = False  # true: always generate workload.max_new_tokens tokens
     recv_timeout_s: float = 20.0  # multi-process runs: a receive or collective waits at most this
+    allreduce: str = "shm"  # tensor-parallel all-reduce: shm (same host, polled) | gloo
 
 
 @dataclass
@@ -201,9 +202,14 @@ class ExperimentConfig:
     calibrate: bool = False  # backend=real: measure the `profile` latency tables (real/calibrate.py)
 
 
-def default_gpus(role: str, schedule: str, gpus_per_node: int) -> int:
+def default_gpus(role: str, schedule: str, gpus_per_node: int, hardware: str = "") -> int:
     """Placement defaults: every GPU for both models, except `async`, which needs disjoint
-    groups — 3/8 of the node for the draft (SwiftSpec's best Llama-3-70B split is 5+3)."""
+    groups — 3/8 of the node for the draft (SwiftSpec's best Llama-3-70B split is 5+3).
+    hardware=local (this machine, simulated or real): one device per group (a device is a core
+    on CPU), so a real run stays in one process unless tensor parallelism or an async split is
+    asked for, and the simulator predicts the same placement."""
+    if hardware == "local":
+        return 1
     if schedule != "async" or gpus_per_node < 2:
         return gpus_per_node
     draft = max(1, round(3 * gpus_per_node / 8))
@@ -387,4 +393,5 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _choice("real.dtype", exp.real.dtype, ("fp32", "bf16", "fp16"))
     _int_range("real.threads", exp.real.threads, 0, 1024)
     _float_range("real.recv_timeout_s", exp.real.recv_timeout_s, 0.0, 3600.0, lo_open=True)
+    _choice("real.allreduce", exp.real.allreduce, ("shm", "gloo"))
     return exp

@@ -37,7 +37,8 @@ def ping_pong(ctx: WorkerContext, rounds: int) -> dict:
         for r in range(rounds):
             m = inbox.recv()
             s = ctx.now()
-            ctx.rec.round(0, m.round, s, ctx.now(), 4, 1, 1, 2, 5)
+            ctx.rec.round(request_id=0, round_idx=m.round, start_s=s, end_s=ctx.now(), drafted=4,
+                          checked=1, accepted=1, emitted=2, verified_tokens=5)
             got.append(m.tensors[0].tolist() + [t.sum().item() for t in m.tensors[1:]])
             out.send(Message(Kind.VERIFIED, request_id=0, round=r, tensors=(m.tensors[0][:2] * 10,)))
     return {"rank": ctx.rank, "pid": os.getpid(), "decision": decision, "sum": total.item(),
