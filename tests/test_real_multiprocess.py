@@ -1,0 +1,60 @@
+"""Multi-process real runs end to end (engine → runtime → tensor parallelism → schedule) on tiny
+random-weight checkpoints: a placement on two cores spawns two workers, and every lossless
+schedule gives the same tokens as the single-process run, with no process left behind."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from real.engine import run
+from tests.conftest import compose_exp
+from tests.tiny_checkpoint import write_tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2,
+                                reason="needs two cores (one worker per core)")
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("tiny")
+    target = write_tiny_checkpoint(root / "target", seed=1, layers=3)
+    draft = write_tiny_checkpoint(root / "draft", seed=2, layers=3, base=target, noise=0.3)
+    return target, draft
+
+
+def _outputs(result) -> tuple[list[list[int]], list[list[int]]]:  # type: ignore[no-untyped-def]
+    return ([r["output_ids"] for r in result.recorder.requests],
+            [r["output_ids"] for r in result.baseline.requests])
+
+
+SYNC = ("schedule=sync", "schedule.gamma=3")
+TREE = ("schedule=sync", "schedule.tree=true", "schedule.tree_width=3", "schedule.tree_budget=6",
+        "schedule.tree_depth=2")
+
+
+@pytest.mark.parametrize(("schedule", "allreduce"), [
+    (TREE, "shm"),
+    pytest.param(SYNC, "shm", marks=pytest.mark.slow),
+    pytest.param(TREE, "gloo", marks=pytest.mark.slow)])
+def test_tensor_parallel_run_equals_the_single_process_run(tiny_pair, schedule, allreduce) -> None:  # type: ignore[no-untyped-def]
+    target, draft = tiny_pair
+    common = ("backend=real", f"pair.target.path={target}", f"pair.draft.path={draft}",
+              "workload.num_prompts=2", "workload.max_new_tokens=20", "real.ignore_eos=true",
+              "real.progress=false", *schedule)
+    one = run(compose_exp(*common))
+    spec1, ar1 = _outputs(one)
+    assert spec1 == ar1 and all(len(o) == 20 for o in spec1)  # lossless at temperature 0
+    two = run(compose_exp(*common, "placement.target_gpus=2", "placement.draft_gpus=2",
+                          f"real.allreduce={allreduce}"))
+    assert two.extra["processes"] == 2
+    assert _outputs(two) == (spec1, ar1)
+    rounds = two.recorder.frames()[0]
+    assert len(rounds) > 0 and (rounds.accepted <= rounds.drafted).all()
+    assert _workers() == []
+
+
+def _workers() -> list[psutil.Process]:
+    """Spawned worker interpreters still alive (multiprocessing's resource tracker excluded)."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())]
