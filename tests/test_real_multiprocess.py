@@ -58,3 +58,32 @@ def _workers() -> list[psutil.Process]:
     """Spawned worker interpreters still alive (multiprocessing's resource tracker excluded)."""
     return [p for p in psutil.Process().children(recursive=True)
             if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())]
+
+
+@pytest.mark.slow
+def test_torchrun_gives_the_tokens_of_the_spawned_run(tiny_pair, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`torchrun --standalone --nproc-per-node 2 -m testbed ...` takes its ranks from torchrun;
+    the same experiment spawned by `python -m testbed` generates the same tokens."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    target, draft = tiny_pair
+    args = ["backend=real", f"pair.target.path={target}", f"pair.draft.path={draft}", *TREE,
+            "placement.target_gpus=2", "placement.draft_gpus=2", "workload.num_prompts=2",
+            "workload.max_new_tokens=16", "real.ignore_eos=true", "real.progress=false",
+            "report.per_run=false"]
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    for cmd, out in (([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "testbed"], "trun"),
+                     ([sys.executable, "-m", "testbed"], "spawn")):
+        r = subprocess.run([*cmd, *args, f"hydra.run.dir={tmp_path / out}"], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+    ids = [pd.read_parquet(tmp_path / d / "requests.parquet").output_ids.map(list).tolist()
+           for d in ("trun", "spawn")]
+    assert ids[0] == ids[1] and all(len(o) == 16 for o in ids[0])
+    assert _workers() == []
