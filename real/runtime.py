@@ -53,7 +53,13 @@ worker that dies, raises, or times out in a receive ends the run: after a short 
 worker is ended and ``real.errors.WorkerFailed`` is raised with one line naming the rank, its
 role and the cause (the CLI prints it and exits with code 3). Workers die with the launcher
 (``PR_SET_PDEATHSIG``); Ctrl-C in the launcher ends every worker, then re-raises. Workers never
-write the run directory, so nothing is half-written.
+write the run directory, so nothing is half-written. A worker that finishes waits for the others
+at most ``real.recv_timeout_s`` (a rank that never finishes is named).
+
+Spawned workers re-import the launching program's main module, so a script that calls
+``launch`` must guard its entry with ``if __name__ == "__main__":`` (``python -m testbed``
+does), and ``fn`` must be importable (module level). A worker prints its traceback to stderr
+when ``SPECBED_WORKER_TRACEBACK=1``; otherwise the one line is all that is shown.
 """
 
 from __future__ import annotations
@@ -183,6 +189,9 @@ def _watch(pl: Placement, procs: list[Any], pipes: dict[Connection, int],
                     msg = pickle.loads(obj.recv_bytes())
                 except (EOFError, OSError):
                     continue  # closed without a report: the sentinel tells how it ended
+                except Exception as e:  # noqa: BLE001 — e.g. a value that cannot be unpickled here
+                    msg = ("error", "raised", f"{pl.rank(rank).describe()} returned a result the "
+                           f"launcher cannot read: {type(e).__name__}: {e}")
                 if msg[0] == "ok":
                     results[rank] = msg[1]
                 else:
