@@ -150,3 +150,27 @@ def test_draft_cache_after_reroots_equals_a_recomputation(seed: int) -> None:
             assert torch.allclose(got, ref_layer.attention.kv_cache.k_cache[:, :, pos], atol=1e-5)
             got_v = layer.attention.kv_cache.v_cache[:, :, tree.prefix_len + slot]
             assert torch.allclose(got_v, ref_layer.attention.kv_cache.v_cache[:, :, pos], atol=1e-5)
+
+
+# ----------------------------------------------------------------------- the bundled model
+@pytest.mark.model
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_serial_tree_equals_ar_on_the_bundled_pair(tp: int) -> None:
+    """SmolLM2-135M + the trained draft, HumanEval and MT-bench prompts, temperature 0: the serial
+    tree is `ar` token for token, in one process and tensor parallel over two."""
+    import os
+
+    from real.engine import run
+
+    if tp > len(os.sched_getaffinity(0)):
+        pytest.skip(f"TP={tp} needs {tp} cores")
+    for wl in ("humaneval", "mtbench"):
+        result = run(compose_exp(
+            "backend=real", f"workload={wl}", "workload.num_prompts=2", "workload.max_new_tokens=24",
+            "real.progress=false", "real.ignore_eos=true", "schedule.tree=true",
+            "schedule.tree_width=4", "schedule.tree_budget=8", "schedule.tree_depth=2",
+            f"placement.target_gpus={tp}", f"placement.draft_gpus={tp}"))
+        tree = [r["output_ids"] for r in result.recorder.requests]
+        assert tree == [r["output_ids"] for r in result.baseline.requests]
+        assert all(len(o) == 24 for o in tree)
+        assert result.recorder.frames()[0].accepted.sum() > 0
