@@ -11,7 +11,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -113,18 +112,20 @@ if __name__ == "__main__":
 def test_a_killed_worker_ends_the_cli_run_within_30_s_writing_nothing(tmp_path: Path) -> None:
     script, stamp, run_dir = tmp_path / "cli.py", tmp_path / "fault", tmp_path / "run"
     script.write_text(CLI)
-    rdzv_before = set(Path(tempfile.gettempdir()).glob("specbed-rdzv-*"))
+    tmp = tmp_path / "tmp"  # the launcher's temporary directory (rendezvous), private to this test
+    tmp.mkdir()
     r = subprocess.run([sys.executable, str(script), "schedule=async", "hardware=local",
                         "placement.target_gpus=1", "placement.draft_gpus=1", "report.per_run=false",
                         f"hydra.run.dir={run_dir}", str(stamp)],
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)},
+                       capture_output=True,
                        text=True, timeout=300)
     ended = time.time()
     assert r.returncode == 3, r.stderr
     assert r.stderr.strip() == "error: rank 1 (draft) died: killed by SIGKILL"
     assert ended - float(stamp.read_text()) < 30
     assert not (run_dir / "summary.json").exists()
-    assert set(Path(tempfile.gettempdir()).glob("specbed-rdzv-*")) <= rdzv_before
+    assert list(tmp.iterdir()) == []  # the rendezvous directory is gone
 
 
 def _failure_line(exp: ExperimentConfig, fn: object, args: tuple = ()) -> str:
