@@ -8,6 +8,7 @@ print a short summary. The backends are imported lazily so `testbed` never impor
 from __future__ import annotations
 
 import importlib
+import shutil
 import sys
 from pathlib import Path
 
@@ -15,12 +16,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from testbed.config import ConfigError, ExperimentConfig, register_configs, to_experiment, validate
+from testbed import sweeps
+from testbed.config import ConfigError, ExperimentConfig, to_experiment, validate
 from testbed.recorder import RunResult
 from testbed.results import write_run
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-register_configs()
 
 
 def run_backend(exp: ExperimentConfig) -> RunResult:
@@ -39,6 +40,11 @@ def is_user_error(e: Exception) -> bool:
     return False
 
 
+def devices_word(summary: dict) -> str:
+    """'GPU' on modelled GPUs and CUDA; 'core' for a real run on this CPU (a device is a core)."""
+    return "core" if summary.get("backend") == "real" and summary.get("hardware") == "local" else "GPU"
+
+
 def print_summary(summary: dict, run_dir: Path) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -46,9 +52,11 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     def fmt(v: object, nd: int = 3) -> str:
         return "—" if v is None else (f"{v:,.{nd}f}" if isinstance(v, float) else str(v))
 
+    unit = devices_word(summary)
+    n_t, n_d = summary["target_gpus"], summary["draft_gpus"]
     t = Table(title=f"{summary['backend']} · {summary['schedule']} · {summary['pair']} · "
-                    f"{summary['hardware']} (target {summary['target_gpus']} GPU, "
-                    f"draft {summary['draft_gpus']}, γ={summary['gamma']})")
+                    f"{summary['hardware']} (target {n_t} {unit}{'s' if n_t != 1 else ''}, "
+                    f"draft {n_d}, γ={summary['gamma']})")
     for col in ("tokens/s", "TPOT ms", "speedup vs ar", "α", "mean accepted len", "prefill s"):
         t.add_column(col, justify="right")
     t.add_row(fmt(summary["tokens_per_s"], 1), fmt(summary["tpot_ms"], 2), fmt(summary["speedup"], 3),
@@ -57,34 +65,61 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     print(f"run directory: {run_dir}")
 
 
+def remove_unstarted_run_dir(run_dir: Path) -> None:
+    """A run that never started leaves nothing: Hydra's .hydra/ and log go, then the directory
+    (and its empty date folder) if nothing else is in it. A finished run's files are kept."""
+    if (run_dir / "summary.json").exists():
+        return
+    shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
+    for log in run_dir.glob("*.log"):
+        log.unlink(missing_ok=True)
+    for d in (run_dir, run_dir.parent):
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
+def is_multirun() -> bool:
+    return str(HydraConfig.get().mode) == "RunMode.MULTIRUN"
+
+
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    multirun = is_multirun()
     try:
         exp = validate(to_experiment(cfg))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    hc = HydraConfig.get()
-    if not exp.pair.name or exp.pair.name == "+":
-        exp.pair.name = hc.runtime.choices.get("pair", "")
-    run_dir = Path(hc.runtime.output_dir)
-    if exp.calibrate:  # `+calibrate`: write the latency profile instead of a run
-        from real.calibrate import calibrate
+        if not exp.pair.name or exp.pair.name == "+":
+            exp.pair.name = hc.runtime.choices.get("pair", "")
+        if multirun and sweeps.already_done(run_dir, exp):
+            sweeps.job_finished(run_dir, skipped=True)
+            return None
+        if exp.calibrate:  # `+calibrate`: write the latency profile instead of a run
+            from real.calibrate import calibrate
 
-        calibrate(exp, run_dir)
-        return None
-    try:
-        result = run_backend(exp)
-    except Exception as e:  # a user-actionable setup error: one line, exit 2, nothing written
+            calibrate(exp, run_dir)
+            return None
+        with sweeps.real_run_lock(exp, run_dir):
+            result = run_backend(exp)
+        summary = write_run(run_dir, exp, result)
+        sweeps.store_hash(run_dir, exp)
+    except Exception as e:
+        if multirun:  # one failing job is reported by the sweep; the others go on
+            sweeps.job_failed(run_dir, e, user_error=is_user_error(e))
+            return None
         if not is_user_error(e):
             raise
         print(f"error: {e}", file=sys.stderr)
+        remove_unstarted_run_dir(run_dir)
         raise SystemExit(2) from None
-    summary = write_run(run_dir, exp, result)
     if exp.report.per_run:
         from testbed.report import build_report
 
-        build_report([run_dir], run_dir)
-    if hc.mode is None or str(hc.mode) != "RunMode.MULTIRUN":
+        build_report([run_dir], run_dir, figures=exp.report.figures)
+    if multirun:
+        sweeps.job_finished(run_dir)
+    else:
         print_summary(summary, run_dir)
     return summary.get("tokens_per_s")
