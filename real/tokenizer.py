@@ -70,7 +70,9 @@ class Tokenizer:
 
             if not Path(source).is_file():
                 raise WeightsNotFound(str(source), "pass an existing .gguf file")
-            source = gguf.GGUFReader(str(source))
+            from real.weights import open_gguf
+
+            source = open_gguf(source)
         fields = source.fields
 
         def get(key: str, default=None):

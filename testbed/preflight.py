@@ -276,6 +276,11 @@ def preflight(args: list[str]) -> int:
         key = o.get_key_element().lstrip("+~")
         if not _is_group(key) and not _known_key(key):
             raise PreflightError(no_such_setting(key))
+        if key in schema_types() and not o.is_sweep_override() and not o.is_delete():
+            try:  # the expected type in the message (Hydra's says only "Error merging override")
+                coerce(key, o.value())
+            except ConfigError as e:
+                raise PreflightError(str(e)) from None
     plain = [o.input_line for o in parsed if not o.is_sweep_override()]
     sweeps = {o.get_key_element(): o for o in parsed if o.is_sweep_override()}
     user_keys = [o.get_key_element().lstrip("+~") for o in parsed
