@@ -66,7 +66,6 @@ class Tokenizer:
     def from_gguf(cls, source) -> Tokenizer:
         """From a .gguf path or an open ``gguf.GGUFReader``."""
         if not hasattr(source, "fields"):
-            import gguf
 
             if not Path(source).is_file():
                 raise WeightsNotFound(str(source), "pass an existing .gguf file")

@@ -6,6 +6,7 @@ Pairs are listed as the rule (TARGET+DRAFT of model presets), not as their 256 c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import textwrap
 from pathlib import Path
@@ -82,4 +83,5 @@ def help_text() -> str:
 
 
 def print_help() -> None:
-    print(help_text())
+    with contextlib.suppress(BrokenPipeError):  # `--help | head`
+        print(help_text(), flush=True)
