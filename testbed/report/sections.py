@@ -19,10 +19,23 @@ def varying_keys(df: pd.DataFrame) -> list[str]:
     return [c for c in cols if df[c].astype(str).nunique() > 1]
 
 
+SHORT = {"target_gpus": "t", "draft_gpus": "d", "gamma": "γ", "latency_ms": "lat ms",
+         "alpha_config": "α", "temperature": "T", "schedule": "", "pair": "", "hardware": "",
+         "workload": "", "backend": ""}
+
+
 def run_label(row: pd.Series, keys: list[str]) -> str:
-    keys = keys or ["schedule"]
-    return ", ".join(f"{human(k)}={row[k]:g}" if isinstance(row[k], float) else f"{human(k)}={row[k]}"
-                     for k in keys)
+    """A short label of what differs: `async t2 d6 γ4`, values without their key where the value
+    says what it is (schedule, pair, hardware); unset values (NaN) left out."""
+    parts = []
+    for k in keys or ["schedule"]:
+        v = row[k]
+        if v is None or (isinstance(v, float) and v != v):
+            continue
+        v = f"{v:g}" if isinstance(v, float) else str(v)
+        name = SHORT.get(k, k)
+        parts.append(v if name == "" else f"{name}={v}" if len(name) > 1 and name != "γ" else f"{name}{v}")
+    return " ".join(parts)
 
 
 @section(10, "Runs")
@@ -51,17 +64,20 @@ def throughput(ctx: ReportContext) -> str:
     if "gamma" in keys and len(df) > 2:
         hue = next((k for k in keys if k != "gamma"), None)
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        palette = (colors_for(list(df[hue].astype(str).unique())) if hue == "schedule"
+                   else "viridis" if hue else None)
+        if hue == "schedule":
+            df[hue] = df[hue].astype(str)
         for ax, metric in zip(axes, ("tokens_per_s", "speedup")):
-            sns.lineplot(data=df, x="gamma", y=metric, hue=hue, marker="o", ax=ax,
-                         palette="viridis" if hue else None)
+            sns.lineplot(data=df, x="gamma", y=metric, hue=hue, marker="o", ax=ax, palette=palette)
             ax.set_xlabel("γ (draft tokens per round)")
             ax.set_ylabel(human(metric))
             ax.set_ylim(bottom=0)
-            ax.set_title(f"{human(metric)} vs γ")
+            ax.set_title(f"{human(metric)} against γ")
         theory = _theorem_curves(df)
         if theory is not None:
             sns.lineplot(data=theory, x="gamma", y="speedup", hue=hue if hue in theory else None,
-                         palette="viridis" if hue in theory else None, linestyle="--",
+                         palette=palette if hue in theory else None, linestyle="--",
                          ax=axes[1], legend=False)
             axes[1].set_title("speedup vs γ (dashed: Theorem 3.8)")
         fig.tight_layout()
@@ -149,7 +165,7 @@ def acceptance_hist(ctx: ReportContext) -> str:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
     else:  # every run: one row each, colour = share of verifications
-        fig, ax = plt.subplots(figsize=(7, 1.2 + 0.25 * len(table)))
+        fig, ax = plt.subplots(figsize=(8, 1.4 + 0.28 * len(table)))
         im = ax.imshow(table.values, aspect="auto", cmap="viridis", vmin=0)
         ax.set_yticks(range(len(table)), table.index, fontsize=7)
         ax.set_xticks(range(len(table.columns)), [str(c) for c in table.columns])
