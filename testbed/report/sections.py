@@ -48,7 +48,10 @@ def runs_table(ctx: ReportContext) -> str:
         first = df.iloc[0]
         lines.append("Common to all runs: " + ", ".join(f"{human(k)} `{first[k]}`" for k in fixed) + "\n")
     cols = keys + [c for c in HEADLINE if c in df.columns]
-    lines.append(markdown_table(df[cols]))
+    table = df[cols]
+    if set(df["backend"]) == {"real"} and set(df["hardware"]) == {"local"}:  # a device is a core
+        table = table.rename(columns={"target_gpus": "target cores", "draft_gpus": "draft cores"})
+    lines.append(markdown_table(table))
     return "\n".join(lines)
 
 
