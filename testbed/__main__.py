@@ -26,7 +26,13 @@ def main() -> None:
     from testbed.preflight import command_pairs, main_guard
 
     if not any(a.split("=")[0] in HYDRA_FLAGS for a in args):
-        jobs = main_guard(sys.argv[1:])
+        composed: dict = {}
+        jobs = main_guard(sys.argv[1:], composed)
+        if "cfg" in composed:  # a single run: composed once, by the check
+            from testbed.app import run_single
+
+            run_single(composed["cfg"])
+            return
         os.environ["SPECBED_SWEEP_JOBS"] = str(jobs)  # the sweep's progress line
     else:
         from testbed.config import register_configs

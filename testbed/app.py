@@ -84,8 +84,31 @@ def is_multirun() -> bool:
     return str(HydraConfig.get().mode) == "RunMode.MULTIRUN"
 
 
-@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> float | None:
+def run_single(cfg: DictConfig) -> None:
+    """A single run from the configuration the pre-run check composed: Hydra's own `run_job`
+    (run directory, .hydra/ files, callbacks), without composing everything a second time."""
+    from hydra.core.utils import run_job
+    from hydra.types import HydraContext, RunMode
+    from omegaconf import open_dict, read_write
+
+    with read_write(cfg.hydra), open_dict(cfg.hydra):
+        cfg.hydra.mode = RunMode.RUN
+    callbacks = _callbacks(cfg)
+    callbacks.on_run_start(config=cfg, config_name="config")
+    ret = run_job(task_function=task, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
+                  hydra_context=HydraContext(config_loader=None, callbacks=callbacks),  # type: ignore[arg-type]
+                  configure_logging=False)
+    callbacks.on_run_end(config=cfg, config_name="config", job_return=ret)
+    _ = ret.return_value  # re-raises what the task raised
+
+
+def _callbacks(cfg: DictConfig):  # type: ignore[no-untyped-def]
+    from hydra._internal.callbacks import Callbacks  # what hydra.main builds (hydra 1.3)
+
+    return Callbacks(cfg)
+
+
+def task(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     multirun = is_multirun()
@@ -123,3 +146,6 @@ def main(cfg: DictConfig) -> float | None:
     else:
         print_summary(summary, run_dir)
     return summary.get("tokens_per_s")
+
+
+main = hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")(task)

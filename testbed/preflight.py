@@ -261,9 +261,10 @@ def command_pairs(args: list[str]) -> set[str]:
     return pairs_named(texts)
 
 
-def preflight(args: list[str]) -> int:
+def preflight(args: list[str], composed: dict[str, Any] | None = None) -> int:
     """Raise PreflightError with a one-line message if any job of this command is invalid;
-    return the number of jobs."""
+    return the number of jobs. For a single run, `composed["cfg"]` receives its composed
+    configuration (hydra node included), so the run need not be composed a second time."""
     register_configs(command_pairs(args))
     overrides = [a for a in args if not a.startswith("-")]
     multirun = any(a in ("-m", "--multirun") for a in args)
@@ -296,6 +297,8 @@ def preflight(args: list[str]) -> int:
             exp = _validate(_experiment(cfg, plain))
             check_output_dir("hydra.run.dir", str(cfg.hydra.run.dir))
             _check_unused(user_keys, [exp])
+            if composed is not None:
+                composed["cfg"] = cfg
             return 1
         check_output_dir("hydra.sweep.dir", str(cfg.hydra.sweep.dir))
         params = dict(cfg.hydra.sweeper.get("params") or {})
@@ -349,9 +352,9 @@ def normalize_args(args: list[str]) -> list[str]:
     return out
 
 
-def main_guard(args: list[str]) -> int:
+def main_guard(args: list[str], composed: dict[str, Any] | None = None) -> int:
     try:
-        return preflight(args)
+        return preflight(args, composed)
     except PreflightError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

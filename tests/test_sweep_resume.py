@@ -87,3 +87,33 @@ def test_failing_job_is_reported_and_others_kept(tmp_path: Path) -> None:
     report = (sweep / "report.md").read_text()
     assert "## Failed jobs" in report and "rounds.parquet" in report
     assert (sweep / "0" / "summary.json").exists()
+
+
+def test_real_runs_take_turns_on_one_host(tmp_path: Path) -> None:
+    """A real job waits while another holds the host lock, unless real.allow_concurrent=true."""
+    import threading
+
+    from filelock import FileLock
+
+    from testbed.sweeps import REAL_LOCK, real_run_lock
+
+    exp = compose_exp("backend=real", "real.progress=false")
+    entered = threading.Event()
+
+    def job() -> None:
+        with real_run_lock(exp, tmp_path):
+            entered.set()
+
+    held = FileLock(str(REAL_LOCK))
+    held.acquire()
+    try:
+        t = threading.Thread(target=job)
+        t.start()
+        assert not entered.wait(0.5), "a second real run started while the first held the host"
+        exp.real.allow_concurrent = True
+        with real_run_lock(exp, tmp_path):
+            pass  # allowed at once
+    finally:
+        held.release()
+    t.join(timeout=30)
+    assert entered.is_set() and not t.is_alive()
