@@ -10,6 +10,7 @@ directory and builds its per-run report, timing each step. *commands*: the wall 
 `+sweep=wan` (basic launcher, and `hydra/launcher=joblib` when hydra-joblib-launcher is
 installed), each the best of `--runs`. Every run writes into a temporary directory. Timings
 depend on the machine's load: the load average is printed with them.
+SPECBED_ROOT=DIR times another checkout of the project (a before/after pair under the same load).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(os.environ.get("SPECBED_ROOT") or Path(__file__).resolve().parents[1])  # tree to time
 
 PHASES = r"""
 import json, sys, time, tempfile
@@ -48,7 +49,8 @@ t = time.perf_counter(); write_run(d, exp, result)
 out["write_run_s"] = time.perf_counter() - t
 t = time.perf_counter()
 from testbed.report import build_report
-build_report([d], d, figures=exp.report.figures)
+figures = getattr(exp.report, "figures", None)  # older trees: no such setting, always drawn
+build_report([d], d) if figures is None else build_report([d], d, figures=figures)
 out["report_s"] = time.perf_counter() - t
 print(json.dumps(out))
 """
