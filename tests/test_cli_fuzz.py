@@ -196,3 +196,11 @@ def test_cases_are_many_and_distinct() -> None:
     commands = [c for c, _ in BAD_COMMAND_LINES] + [c for c, _ in CORRUPT]
     assert len(set(commands)) == len(commands) >= 40
     json.dumps(commands)
+
+
+def test_help_lists_groups_not_pairs(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out = run_main(["--help"], capsys, monkeypatch)
+    assert code == 0
+    assert "schedule   ar, async, decentralized, sync" in out and "schedule.gamma" in out
+    assert "TARGET+DRAFT" in out and "llama3_70b+qwen2_1_5b" not in out
+    assert len(out.splitlines()) < 150
