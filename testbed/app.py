@@ -126,8 +126,10 @@ def task(cfg: DictConfig) -> float | None:
             return None
         with sweeps.real_run_lock(exp, run_dir):
             result = run_backend(exp)
-        summary = write_run(run_dir, exp, result)
+        # the hash before the results: summary.json, written last, marks the job finished
+        (run_dir / "summary.json").unlink(missing_ok=True)
         sweeps.store_hash(run_dir, exp)
+        summary = write_run(run_dir, exp, result)
     except Exception as e:
         if multirun:  # one failing job is reported by the sweep; the others go on
             sweeps.job_failed(run_dir, e, user_error=is_user_error(e))
