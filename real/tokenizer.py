@@ -67,11 +67,12 @@ class Tokenizer:
     def from_gguf(cls, source) -> Tokenizer:
         """From a .gguf path or an open ``gguf.GGUFReader``."""
         if not hasattr(source, "fields"):
-            import gguf
 
             if not Path(source).is_file():
                 raise WeightsNotFound(str(source), "pass an existing .gguf file")
-            source = gguf.GGUFReader(str(source))
+            from real.weights import open_gguf
+
+            source = open_gguf(source)
         fields = source.fields
 
         def get(key: str, default=None):

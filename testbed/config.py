@@ -8,6 +8,7 @@ the key, the value and what is allowed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -176,11 +177,13 @@ class RealConfig:
     ignore_eos: bool = False  # true: always generate workload.max_new_tokens tokens
     recv_timeout_s: float = 20.0  # multi-process runs: a receive or collective waits at most this
     allreduce: str = "shm"  # tensor-parallel all-reduce: shm (same host, polled) | gloo
+    allow_concurrent: bool = False  # true: real jobs of sweeps may run at once on this host
 
 
 @dataclass
 class ReportConfig:
-    per_run: bool = True  # write report.md + figures into every single run directory
+    per_run: bool = True  # write report.md/html (tables) into every single run directory
+    figures: bool = False  # also draw the figures in a single run's report (seconds of plotting)
 
 
 @dataclass
@@ -221,25 +224,48 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("default_gpus", default_gpus)
 
 
-def register_configs() -> None:
-    """Register the schema so Hydra type-checks every override against it, and every
-    `pair=TARGET+DRAFT` combination of model presets (files in conf/pair/ take precedence)."""
+def model_presets() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+
+
+def pairs_named(texts: Iterable[str]) -> set[str]:
+    """Every `TARGET+DRAFT` of model presets mentioned in these strings (command-line overrides,
+    sweep values): the pair combinations a command may compose."""
+    import re
+
+    models = set(model_presets())
+    found = set()
+    for text in texts:
+        for t, d in re.findall(r"([A-Za-z0-9_.-]+)\+([A-Za-z0-9_.-]+)", text):
+            if t in models and d in models:
+                found.add(f"{t}+{d}")
+    return found
+
+
+def register_configs(pairs: Iterable[str] | None = None) -> None:
+    """Register the schema so Hydra type-checks every override against it, and the
+    `pair=TARGET+DRAFT` combinations of model presets that have no file in conf/pair/ (files
+    take precedence). `pairs=None` registers every combination; the CLI passes the pairs its
+    command line and sweep configs name, because Hydra copies the whole ConfigStore on every
+    composition (256 pairs made each one take a second)."""
 
     from hydra.core.config_store import ConfigStore
 
     register_resolvers()
     cs = ConfigStore.instance()
-    cs.store(name="experiment_schema", node=ExperimentConfig)
+    if "experiment_schema.yaml" not in cs.repo:
+        cs.store(name="experiment_schema", node=ExperimentConfig)
     conf = CONF_DIR
-    models = sorted(p.stem for p in (conf / "model").glob("*.yaml"))
+    models = model_presets()
     files = {p.stem for p in (conf / "pair").glob("*.yaml")}
-    for t in models:
-        for d in models:
-            name = f"{t}+{d}"
-            if name not in files:
-                cs.store(group="pair", name=name, node={
-                    "defaults": [{"/model@target": t}, {"/model@draft": d}, "_self_"],
-                    "name": name})
+    stored = set(cs.repo.get("pair", {}))
+    wanted = [f"{t}+{d}" for t in models for d in models] if pairs is None else sorted(pairs)
+    for name in wanted:
+        t, _, d = name.partition("+")
+        if name not in files and f"{name}.yaml" not in stored:
+            cs.store(group="pair", name=name, node={
+                "defaults": [{"/model@target": t}, {"/model@draft": d}, "_self_"],
+                "name": name})
 
 
 def to_experiment(cfg: DictConfig | dict) -> ExperimentConfig:

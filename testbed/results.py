@@ -26,6 +26,10 @@ from testbed.recorder import RunResult
 SUMMARY = "summary.json"
 
 
+class RunDirError(ValueError):
+    """A run directory's file cannot be read (corrupt or truncated); names the file."""
+
+
 def _atomic_write(path: Path, write: Any) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -93,7 +97,13 @@ class Run:
 
     def frame(self, name: str) -> pd.DataFrame:
         p = self.path / f"{name}.parquet"
-        return pd.read_parquet(p) if p.exists() else pd.DataFrame()
+        if not p.exists():
+            return pd.DataFrame()
+        try:
+            return pd.read_parquet(p)
+        except Exception as e:  # pyarrow raises several kinds for a damaged file
+            raise RunDirError(f"{p}: not a readable parquet file ({str(e).splitlines()[0][:120]}); "
+                              "delete the run directory or re-run it") from None
 
 
 def find_runs(paths: Iterable[Path | str]) -> list[Run]:
@@ -101,7 +111,7 @@ def find_runs(paths: Iterable[Path | str]) -> list[Run]:
     runs: list[Run] = []
     seen: set[Path] = set()
     for p in map(Path, paths):
-        if not p.exists():
+        if not p.is_dir():
             raise FileNotFoundError(f"{p}: no such run or sweep directory")
         candidates = [p / SUMMARY] if (p / SUMMARY).exists() else sorted(p.rglob(SUMMARY))
         for s in candidates:
@@ -109,8 +119,14 @@ def find_runs(paths: Iterable[Path | str]) -> list[Run]:
             if d in seen:
                 continue
             seen.add(d)
-            with open(s) as f:
-                runs.append(Run(path=s.parent, summary=json.load(f)))
+            try:
+                summary = json.loads(s.read_text())
+                if not isinstance(summary, dict):
+                    raise ValueError("not a JSON object")
+            except (ValueError, UnicodeDecodeError) as e:
+                raise RunDirError(f"{s}: not a readable summary ({e}); delete the run directory "
+                                  "or re-run it") from None
+            runs.append(Run(path=s.parent, summary=summary))
     runs.sort(key=lambda r: _natural_key(str(r.path)))
     return runs
 

@@ -185,7 +185,22 @@ def synthetic_prompt_lengths(num_prompts: int, prompt_len: int, seed: int = 0) -
 def choose_prompts(exp: Any) -> list[Prompt]:
     """The prompts an experiment runs (both backends call this: same prompts, same order)."""
     w = exp.workload
-    return workload_prompts(w.name, w.num_prompts, w.split, exp.seed)
+    prompts = workload_prompts(w.name, w.num_prompts, w.split, exp.seed)
+    if len(prompts) < w.num_prompts:  # said once per process, not once per job of a sweep
+        _warn_once(f"warning: workload.num_prompts={w.num_prompts} clipped to {len(prompts)}: "
+                   f"the {w.name} set (split {w.split}) has {len(prompts)} prompts")
+    return prompts
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    import sys
+
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(message, file=sys.stderr)
 
 
 BYTES_PER_TOKEN = 4.0  # typical for English/code under a ~50k BPE vocabulary

@@ -9,14 +9,15 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from testbed.config import ExperimentConfig, register_configs, to_experiment, validate
+from testbed.config import ExperimentConfig, pairs_named, register_configs, to_experiment, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
 
 def compose_exp(*overrides: str) -> ExperimentConfig:
-    register_configs()
+    # only the pairs named (Hydra copies the whole ConfigStore on every composition)
+    register_configs(pairs_named(overrides))
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(config_name="config", overrides=list(overrides))
     exp = validate(to_experiment(cfg))

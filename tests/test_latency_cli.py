@@ -79,3 +79,9 @@ def test_module_entry_point() -> None:
     bad = run_cli("model=llama3_70b", "hardware=h800x8", "tp=9", module="sim.latency", timeout=120)
     assert bad.returncode == 2
     assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert latency.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "python -m sim.latency model=" in out and "llama3_70b" in out and "h800x8" in out

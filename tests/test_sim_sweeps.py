@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from sim.engine import run
 from testbed.config import register_configs, validate
+from testbed.preflight import command_pairs
 from testbed.report import build_report
 from testbed.results import write_run
 from tests.conftest import CONF, compose_exp, run_cli
@@ -19,7 +20,7 @@ PAIRS = ("llama3_70b+llama3_2_3b", "qwen2_72b+qwen2_1_5b", "deepseek_coder_33b+d
 
 def sweep_jobs(sweep: str) -> list[list[str]]:
     """The override lists of every job, as Hydra's basic sweeper builds them."""
-    register_configs()
+    register_configs(command_pairs([f"+sweep={sweep}"]))
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(config_name="config", overrides=[f"+sweep={sweep}"], return_hydra_config=True)
     assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"

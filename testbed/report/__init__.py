@@ -8,15 +8,20 @@ has nothing to say for these runs), so a sweep's report shows what that sweep va
 
 from __future__ import annotations
 
-import html
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from testbed.results import Run, find_runs, summaries_frame
+from testbed.report.style import human_columns, sig3
+from testbed.results import Run, RunDirError, find_runs, summaries_frame
+
+ReportError = RunDirError
 
 
 @dataclass
@@ -25,6 +30,7 @@ class ReportContext:
     runs: list[Run]
     out_dir: Path
     figures: list[str]
+    draw: bool = True  # False: tables only (the cheap per-run report)
 
     def figure_path(self, name: str) -> Path:
         self.figures.append(name)
@@ -38,81 +44,106 @@ SECTIONS: list[tuple[int, str, Section]] = []
 def section(order: int, title: str) -> Callable[[Section], Section]:
     """Register a report section; lower `order` comes first."""
     def deco(fn: Section) -> Section:
-        SECTIONS.append((order, title, fn))
-        SECTIONS.sort(key=lambda s: s[0])
+        if all(f.__qualname__ != fn.__qualname__ or f.__module__ != fn.__module__ for _, _, f in SECTIONS):
+            SECTIONS.append((order, title, fn))
+            SECTIONS.sort(key=lambda s: s[0])
         return fn
     return deco
 
 
-def markdown_table(df: pd.DataFrame, floatfmt: str = "{:.4g}") -> str:
+def markdown_table(df: pd.DataFrame, floatfmt: str | None = None) -> str:
+    """A markdown table with human column names and 3 significant figures (or `floatfmt`)."""
     def cell(v: object) -> str:
         if v is None or (isinstance(v, float) and v != v):
             return "—"
         if isinstance(v, float):
-            return floatfmt.format(v)
+            return floatfmt.format(v) if floatfmt else sig3(v)
         return str(v).replace("|", "\\|")
-    cols = list(df.columns)
+    cols = human_columns(list(df.columns))
     lines = ["| " + " | ".join(map(str, cols)) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines)
 
 
-def _load_sections() -> None:
+def _load_sections(runs: list[Run]) -> None:
     import testbed.report.sections  # noqa: F401  (registers the built-in sections)
     import testbed.report.sections_sim  # noqa: F401  (GPU split, DSD, Gantt charts)
-    import testbed.report.sections_validate  # noqa: F401  (sim vs real: validation.csv, parity)
+
+    if {r.summary.get("backend") for r in runs} >= {"sim", "real"}:
+        import testbed.report.sections_validate  # noqa: F401  (sim vs real: validation.csv, parity)
 
 
-def build_report(paths: Iterable[Path | str], out_dir: Path | str) -> Path:
-    """Write report.md, report.html and figures into out_dir; return the report.md path."""
-    import matplotlib
+def build_report(paths: Iterable[Path | str], out_dir: Path | str, figures: bool = True) -> Path:
+    """Write report.md, report.html and figures into out_dir; return the report.md path.
 
-    matplotlib.use("Agg")
-    _load_sections()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    Everything is written into a temporary directory beside the output first and moved in only
+    when the whole report succeeded: a failure (a corrupt run) leaves `out_dir` as it was."""
+    paths = list(paths)
     runs = find_runs(paths)
     if not runs:
         raise FileNotFoundError(f"no complete runs (directories with summary.json) under {', '.join(map(str, paths))}")
-    ctx = ReportContext(df=summaries_frame(runs), runs=runs, out_dir=out, figures=[])
-    parts = [f"# Speculative decoding testbed report\n\n{len(runs)} run(s) from "
-             f"{', '.join(sorted({str(Path(p)) for p in paths}))}\n"]
-    for _, title, fn in SECTIONS:
-        body = fn(ctx)
-        if body:
-            parts.append(f"## {title}\n\n{body}\n")
-    md = "\n".join(parts)
-    report = out / "report.md"
-    tmp = out / ".report.md.tmp"
-    tmp.write_text(md)
-    tmp.replace(report)
-    (out / "report.html").write_text(_to_html(md))
-    return report
+    if figures:
+        import matplotlib
+
+        matplotlib.use("Agg")
+    _load_sections(runs)
+    out = Path(out_dir)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".report-"))
+    try:
+        ctx = ReportContext(df=summaries_frame(runs), runs=runs, out_dir=tmp, figures=[], draw=figures)
+        failed = _failed_jobs(paths)
+        parts = [f"# Speculative decoding testbed report\n\n{len(runs)} run(s) from "
+                 f"{', '.join(sorted({str(Path(p)) for p in paths}))}"
+                 + (f"; {len(failed)} failed job(s)" if failed else "") + "\n"]
+        if not figures:
+            parts.append("Tables only; figures: `python -m testbed.report "
+                         f"{' '.join(map(str, paths))}` (or `report.figures=true`).\n")
+        if failed:
+            parts.append("## Failed jobs\n\n" + markdown_table(pd.DataFrame(failed)) + "\n")
+        for _, title, fn in SECTIONS:
+            body = fn(ctx)
+            if body:
+                parts.append(f"## {title}\n\n{body}\n")
+        md = "\n".join(parts)
+        (tmp / "report.md").write_text(md)
+        (tmp / "report.html").write_text(to_html(md))
+        for f in tmp.iterdir():  # the finished report replaces the old one file by file
+            os.replace(f, out / f.name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
+    return out / "report.md"
 
 
-def _to_html(md: str) -> str:
-    """A plain rendering of our own markdown subset (headings, tables, images, paragraphs)."""
-    out, table = [], False
-    for line in md.splitlines():
-        if line.startswith("|"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            if set("".join(cells)) <= set("-:"):
-                continue
-            if not table:
-                out.append("<table border=1 cellspacing=0 cellpadding=3>")
-                table = True
-            out.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
-            continue
-        if table:
-            out.append("</table>")
-            table = False
-        if m := re.match(r"!\[(.*)\]\((.*)\)", line):
-            out.append(f'<p><img src="{html.escape(m.group(2))}" alt="{html.escape(m.group(1))}" width=720></p>')
-        elif m := re.match(r"(#+) (.*)", line):
-            n = len(m.group(1))
-            out.append(f"<h{n}>{html.escape(m.group(2))}</h{n}>")
-        elif line.strip():
-            out.append(f"<p>{html.escape(line)}</p>")
-    if table:
-        out.append("</table>")
-    return "<!doctype html><meta charset=utf-8><title>testbed report</title>\n" + "\n".join(out) + "\n"
+def _failed_jobs(paths: list[Path | str]) -> list[dict[str, str]]:
+    from testbed.sweeps import FAILED, failures
+
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir() and any(p.glob(f"*/{FAILED}")):
+            out += [{"job": f["job"], "overrides": f["overrides"], "error": f["error"]}
+                    for f in failures(p)]
+    return out
+
+
+CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:1em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.5em 0;font-size:90%}th,td{border:1px solid #bbb;padding:3px 8px}
+th{background:#eee;text-align:left}td{text-align:right}img{max-width:100%;height:auto;border:1px solid #ddd}
+code{background:#f3f3f3;padding:0 3px}"""
+
+
+def to_html(md: str) -> str:
+    """report.md rendered (markdown-it, with tables); every figure links to its full size."""
+    from markdown_it import MarkdownIt
+
+    body = MarkdownIt("commonmark").enable("table").render(md)
+    body = re.sub(r'<img src="([^"]+)" alt="([^"]*)" />',
+                  lambda m: f'<a href="{m.group(1)}"><img src="{m.group(1)}" alt="{m.group(2)}" '
+                            f'title="click for full size"></a>', body)
+    return (f"<!doctype html><meta charset=utf-8><title>testbed report</title><style>{CSS}</style>\n"
+            + body)

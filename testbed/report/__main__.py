@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from testbed.report import build_report
+from testbed.report import ReportError, build_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (args.dirs[0] if len(args.dirs) == 1 else Path("reports/report"))
     try:
         path = build_report(args.dirs, out)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ReportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(path)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
 import pandas as pd
-import seaborn as sns
 
 from testbed.metrics import HEADLINE, KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
+from testbed.report.style import SCHEDULE_COLORS, colors_for, human, savefig
 from testbed.theory import leviathan_speedup
 
-MAX_RUN_PLOTS = 8
+HIST_LINES = 6  # up to this many runs: one histogram line each; more: a heatmap of every run
 
 
 def varying_keys(df: pd.DataFrame) -> list[str]:
@@ -20,9 +19,23 @@ def varying_keys(df: pd.DataFrame) -> list[str]:
     return [c for c in cols if df[c].astype(str).nunique() > 1]
 
 
+SHORT = {"target_gpus": "t", "draft_gpus": "d", "gamma": "γ", "latency_ms": "lat ms",
+         "alpha_config": "α", "temperature": "T", "schedule": "", "pair": "", "hardware": "",
+         "workload": "", "backend": ""}
+
+
 def run_label(row: pd.Series, keys: list[str]) -> str:
-    keys = keys or ["schedule"]
-    return ", ".join(f"{k}={row[k]}" for k in keys)
+    """A short label of what differs: `async t2 d6 γ4`, values without their key where the value
+    says what it is (schedule, pair, hardware); unset values (NaN) left out."""
+    parts = []
+    for k in keys or ["schedule"]:
+        v = row[k]
+        if v is None or (isinstance(v, float) and v != v):
+            continue
+        v = f"{v:g}" if isinstance(v, float) else str(v)
+        name = SHORT.get(k, k)
+        parts.append(v if name == "" else f"{name}={v}" if len(name) > 1 and name != "γ" else f"{name}{v}")
+    return " ".join(parts)
 
 
 @section(10, "Runs")
@@ -33,50 +46,66 @@ def runs_table(ctx: ReportContext) -> str:
     lines = []
     if fixed:
         first = df.iloc[0]
-        lines.append("Common to all runs: " + ", ".join(f"`{k}={first[k]}`" for k in fixed) + "\n")
+        lines.append("Common to all runs: " + ", ".join(f"{human(k)} `{first[k]}`" for k in fixed) + "\n")
     cols = keys + [c for c in HEADLINE if c in df.columns]
-    lines.append(markdown_table(df[cols]))
+    table = df[cols]
+    if set(df["backend"]) == {"real"} and set(df["hardware"]) == {"local"}:  # a device is a core
+        table = table.rename(columns={"target_gpus": "target cores", "draft_gpus": "draft cores"})
+    lines.append(markdown_table(table))
     return "\n".join(lines)
 
 
 @section(20, "Throughput")
 def throughput(ctx: ReportContext) -> str:
+    if not ctx.draw:
+        return ""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
     df = ctx.df.copy()
     keys = varying_keys(df)
     if "gamma" in keys and len(df) > 2:
         hue = next((k for k in keys if k != "gamma"), None)
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        palette = (colors_for(list(df[hue].astype(str).unique())) if hue == "schedule"
+                   else "viridis" if hue else None)
+        if hue == "schedule":
+            df[hue] = df[hue].astype(str)
         for ax, metric in zip(axes, ("tokens_per_s", "speedup")):
-            sns.lineplot(data=df, x="gamma", y=metric, hue=hue, marker="o", ax=ax,
-                         palette="viridis" if hue else None)
-            ax.set_title(f"{metric} vs γ")
+            sns.lineplot(data=df, x="gamma", y=metric, hue=hue, marker="o", ax=ax, palette=palette)
+            ax.set_xlabel("γ (draft tokens per round)")
+            ax.set_ylabel(human(metric))
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{human(metric)} against γ")
         theory = _theorem_curves(df)
         if theory is not None:
             sns.lineplot(data=theory, x="gamma", y="speedup", hue=hue if hue in theory else None,
-                         palette="viridis" if hue in theory else None, linestyle="--",
+                         palette=palette if hue in theory else None, linestyle="--",
                          ax=axes[1], legend=False)
             axes[1].set_title("speedup vs γ (dashed: Theorem 3.8)")
         fig.tight_layout()
-        fig.savefig(ctx.figure_path("throughput_vs_gamma.png"), dpi=110)
-        plt.close(fig)
+        savefig(fig, ctx.figure_path("throughput_vs_gamma.png"))
         best = df.loc[df.groupby(hue)["tokens_per_s"].idxmax()] if hue else df.loc[[df["tokens_per_s"].idxmax()]]
         show = [c for c in (hue, "gamma", "tokens_per_s", "speedup") if c]
         return ("![throughput vs gamma](throughput_vs_gamma.png)\n\nBest γ:\n\n"
                 + markdown_table(best[show]))
+    # one horizontal bar per run (labels readable, the figure grows downwards), the `ar`
+    # baseline of the same run as a grey tick on its bar
     df["run"] = [run_label(r, keys) for _, r in df.iterrows()]
-    rows = [{"run": r["run"], "decoding": r["schedule"], "tokens_per_s": r["tokens_per_s"]}
-            for _, r in df.iterrows()]
-    rows += [{"run": r["run"], "decoding": "ar baseline", "tokens_per_s": r["ar_tokens_per_s"]}
-             for _, r in df.iterrows() if r.get("ar_tokens_per_s") and r["schedule"] != "ar"]
-    plot = pd.DataFrame(rows)
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(df) + 3), 3.6))
-    sns.barplot(data=plot, x="run", y="tokens_per_s", hue="decoding", ax=ax)
-    ax.set_xlabel("")
-    ax.tick_params(axis="x", rotation=20)
-    ax.set_title("decode tokens/s (prefill excluded)")
+    df = df.iloc[::-1]
+    fig, ax = plt.subplots(figsize=(7, max(2.4, 1.2 + 0.3 * len(df))))
+    colors = [SCHEDULE_COLORS.get(str(s), "#0072B2") for s in df["schedule"]]
+    ax.barh(range(len(df)), df["tokens_per_s"], color=colors, height=0.7)
+    base = pd.to_numeric(df.get("ar_tokens_per_s"), errors="coerce")
+    if base is not None and base.notna().any():
+        ax.scatter(base, range(len(df)), marker="|", s=200, color="black", zorder=3, label="ar baseline")
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_yticks(range(len(df)), df["run"], fontsize=8)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("decode tokens/s (prefill excluded)")
+    ax.set_title("throughput per run (colour: schedule)")
     fig.tight_layout()
-    fig.savefig(ctx.figure_path("throughput.png"), dpi=110)
-    plt.close(fig)
+    savefig(fig, ctx.figure_path("throughput.png"))
     return "![throughput](throughput.png)"
 
 
@@ -114,35 +143,51 @@ def theory_check(ctx: ReportContext) -> str:
 
 @section(40, "Accepted length per verification")
 def acceptance_hist(ctx: ReportContext) -> str:
-    frames = []
+    if not ctx.draw:
+        return ""
+    import matplotlib.pyplot as plt
+
     keys = varying_keys(ctx.df)
-    for run, (_, row) in zip(ctx.runs[:MAX_RUN_PLOTS], ctx.df.iterrows()):
+    dists: dict[str, pd.Series] = {}
+    for run, (_, row) in zip(ctx.runs, ctx.df.iterrows()):
         if row["schedule"] == "ar":
             continue
         r = run.frame("rounds")
         if r.empty:
             continue
-        frames.append(pd.DataFrame({"tokens per verification": r["accepted"] + 1,
-                                    "run": run_label(row, keys)}))
-    if not frames:
+        dists[run_label(row, keys)] = (r["accepted"] + 1).value_counts(normalize=True).sort_index()
+    if not dists:
         return ""
-    data = pd.concat(frames, ignore_index=True)
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    sns.histplot(data=data, x="tokens per verification", hue="run", discrete=True,
-                 stat="probability", common_norm=False, element="step", ax=ax)
+    table = pd.DataFrame(dists).T.fillna(0.0).sort_index(axis=1)
+    if len(table) <= HIST_LINES:
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        colors = colors_for(list(table.index))
+        for label, row in table.iterrows():
+            ax.step(row.index, row.values, where="mid", label=label, color=colors[label])
+        ax.set_ylabel("share of verifications")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    else:  # every run: one row each, colour = share of verifications
+        fig, ax = plt.subplots(figsize=(8, 1.4 + 0.28 * len(table)))
+        im = ax.imshow(table.values, aspect="auto", cmap="viridis", vmin=0)
+        ax.set_yticks(range(len(table)), table.index, fontsize=7)
+        ax.set_xticks(range(len(table.columns)), [str(c) for c in table.columns])
+        fig.colorbar(im, ax=ax, label="share of verifications")
+    ax.set_xlabel("tokens per verification (accepted + bonus)")
+    ax.set_title(f"accepted length, {len(table)} run(s)")
     fig.tight_layout()
-    fig.savefig(ctx.figure_path("accepted_length.png"), dpi=110)
-    plt.close(fig)
-    note = f" (first {MAX_RUN_PLOTS} runs)" if len(ctx.runs) > MAX_RUN_PLOTS else ""
-    return f"![accepted length](accepted_length.png){note}"
+    savefig(fig, ctx.figure_path("accepted_length.png"))
+    return "![accepted length](accepted_length.png)"
 
 
 @section(50, "Timeline")
 def timeline(ctx: ReportContext) -> str:
     from testbed.report.sections_sim import draws_timeline
 
-    if len(ctx.runs) != 1 or draws_timeline(ctx.df):  # async/trees/pipelines: sections_sim
+    if not ctx.draw or len(ctx.runs) != 1 or draws_timeline(ctx.df):  # async/trees/pipelines: sections_sim
         return ""
+    import matplotlib.pyplot as plt
+
     tl = ctx.runs[0].frame("timeline")
     if tl.empty:
         return ""
@@ -153,8 +198,8 @@ def timeline(ctx: ReportContext) -> str:
     t0 = first["start_s"].min()
     resources = sorted(first["resource"].unique())
     kinds = sorted(first["kind"].unique())
-    colors = dict(zip(kinds, sns.color_palette("tab10", len(kinds))))
-    fig, ax = plt.subplots(figsize=(10, 0.7 * len(resources) + 1.5))
+    colors = colors_for(kinds)
+    fig, ax = plt.subplots(figsize=(9, 0.7 * len(resources) + 1.8))
     for i, res in enumerate(resources):
         spans = first[first["resource"] == res]
         for kind, g in spans.groupby("kind"):
@@ -167,8 +212,7 @@ def timeline(ctx: ReportContext) -> str:
     ax.legend(uniq.values(), uniq.keys(), loc="upper right", fontsize=8)
     ax.set_title("first rounds of the first request")
     fig.tight_layout()
-    fig.savefig(ctx.figure_path("timeline.png"), dpi=110)
-    plt.close(fig)
+    savefig(fig, ctx.figure_path("timeline.png"))
     return "![timeline](timeline.png)"
 
 
@@ -190,4 +234,4 @@ def telemetry(ctx: ReportContext) -> str:
     if not rows:
         return ""
     return ("Sampled every 0.25 s during the schedule (not the `ar` baseline); "
-            "`cpu % (process)` counts one core as 100.\n\n" + markdown_table(pd.DataFrame(rows)))
+            "cpu % (process) counts one core as 100.\n\n" + markdown_table(pd.DataFrame(rows)))

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import math
 
-import matplotlib.pyplot as plt
 import pandas as pd
-import seaborn as sns
 
 from testbed.report import ReportContext, markdown_table, section
+from testbed.report.style import SCHEDULE_COLORS, colors_for, grid, savefig
 from testbed.results import Run
 
 TIMELINE_SCHEDULES = ("async", "sync_tree", "decentralized")
@@ -67,15 +66,20 @@ def _split_order(splits: list[str]) -> list[str]:
 @section(22, "GPU split: async (SwiftSpec) vs serial baselines")
 def gpu_split(ctx: ReportContext) -> str:
     agg = gpu_split_frame(ctx.df)
-    if agg.empty:
+    if agg.empty or not ctx.draw:
         return ""
+    import matplotlib.pyplot as plt
+
     groups = list(agg.groupby(["pair", "hardware"], sort=True))
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 3.8), squeeze=False)
+    rows, cols = grid(len(groups))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.8 * rows), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_axis_off()
     best_rows = []
-    for ax, ((pair, hw), g) in zip(axes[0], groups):
+    for ax, ((pair, hw), g) in zip(axes.flat, groups):
         a = g[g["schedule"] == "async"].sort_values("target_gpus")
-        ax.plot(a["target_gpus"], a["tokens_per_s"], marker="o", color="tab:blue", label="async")
-        styles = {"sync": ("tab:gray", ":"), "sync_tree": ("black", "--")}
+        ax.plot(a["target_gpus"], a["tokens_per_s"], marker="o", color=SCHEDULE_COLORS["async"], label="async")
+        styles = {"sync": (SCHEDULE_COLORS["sync"], ":"), "sync_tree": (SCHEDULE_COLORS["sync_tree"], "--")}
         for b in BASELINES:
             row = g[g["split"] == b]
             if len(row):
@@ -88,6 +92,7 @@ def gpu_split(ctx: ReportContext) -> str:
                 linestyle="none", label=f"best: {best['split']}")
         ax.set_xlabel("target GPUs (the rest draft)")
         ax.set_ylabel("decode tokens/s")
+        ax.set_ylim(bottom=0)
         ax.set_title(f"{pair}\n{hw}", fontsize=9)
         ax.set_xticks(sorted(a["target_gpus"].unique()))
         ax.legend(fontsize=7, loc="lower right")
@@ -99,8 +104,7 @@ def gpu_split(ctx: ReportContext) -> str:
             **{f"x vs {b}": (best["tokens_per_s"] / float(ref[b].iloc[0]) if len(ref[b]) else None)
                for b in BASELINES}})
     fig.tight_layout()
-    fig.savefig(ctx.figure_path("gpu_split.png"), dpi=110)
-    plt.close(fig)
+    savefig(fig, ctx.figure_path("gpu_split.png"))
     wide = agg.pivot_table(index=["pair", "hardware"], columns="split", values="tokens_per_s")
     wide = wide[_split_order(list(wide.columns))].reset_index()
     return ("`tN`: `async` with N target GPUs and the rest of the node for the draft; `sync` and "
@@ -132,14 +136,18 @@ def decentralized(ctx: ReportContext) -> str:
              "R = C(k−1)/(k(t0+C)), with the measured mean accepted length k, the modelled target "
              "compute t0 of one decoding step, the mean one-way link time t1 and the loop's "
              "communication C = links·t1 (DSD writes (N−1)·t1 for it)."]
-    if len(d) > 1 and d["latency_ms"].nunique() > 1:
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    if ctx.draw and len(d) > 1 and d["latency_ms"].nunique() > 1:
+        import matplotlib.pyplot as plt
+        import seaborn as sns
+
+        fig, axes = plt.subplots(1, 3, figsize=(13, 4))
         taus = sorted(d["tau"].dropna().unique())
         lo = d[d["tau"] == taus[0]] if taus else d
         sns.lineplot(data=lo, x="latency_ms", y="speedup", hue="nodes", marker="o",
                      palette="viridis", ax=axes[0])
         axes[0].set_title(f"speedup over ar on the same pipeline (τ={taus[0] if taus else 0:g})")
         axes[0].set_xlabel("one-way link latency (ms)")
+        axes[0].set_ylim(bottom=0)
         if len(taus) > 1:
             sns.lineplot(data=d, x="tau", y="mean_accepted_len", hue="nodes", marker="o",
                          palette="viridis", ax=axes[1], errorbar=None)
@@ -150,9 +158,9 @@ def decentralized(ctx: ReportContext) -> str:
                      palette="viridis", ax=axes[2])
         axes[2].set_title("DSD eq. (5) communication reduction")
         axes[2].set_xlabel("one-way link latency (ms)")
+        axes[2].set_ylim(bottom=0)
         fig.tight_layout()
-        fig.savefig(ctx.figure_path("decentralized.png"), dpi=110)
-        plt.close(fig)
+        savefig(fig, ctx.figure_path("decentralized.png"))
         parts.append("![decentralized](decentralized.png)")
         if len(taus) > 1:
             base = d[d["tau"] == taus[0]].set_index(["nodes", "latency_ms"])["speedup"]
@@ -235,8 +243,10 @@ def _busy_share(tl: pd.DataFrame, decode_s: float) -> dict[str, float]:
 
 @section(55, "Timeline (Gantt)")
 def gantt(ctx: ReportContext) -> str:
-    if not draws_timeline(ctx.df):
+    if not ctx.draw or not draws_timeline(ctx.df):
         return ""
+    import matplotlib.pyplot as plt
+
     picked = []
     for run, row in _pick_runs(ctx):
         tl, rounds = run.frame("timeline"), run.frame("rounds")
@@ -256,9 +266,9 @@ def gantt(ctx: ReportContext) -> str:
     if not picked:
         return ""
     kinds = sorted({k for _, w, *_ in picked for k in w["kind"].unique()})
-    colors = dict(zip(kinds, sns.color_palette("tab10", len(kinds))))
-    heights = [0.45 * w["resource"].nunique() + 1.2 for _, w, *_ in picked]
-    fig, axes = plt.subplots(len(picked), 1, figsize=(11, sum(heights)), squeeze=False,
+    colors = colors_for(kinds)
+    heights = [max(2.3, 0.45 * w["resource"].nunique() + 1.2) for _, w, *_ in picked]
+    fig, axes = plt.subplots(len(picked), 1, figsize=(9, sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
     tables = []
     for ax, (row, win, t0, t1, share) in zip(axes[:, 0], picked):
@@ -283,8 +293,7 @@ def gantt(ctx: ReportContext) -> str:
                        "busy links (sum)": sum(v for r, v in share.items() if r.startswith("link")) or None})
     axes[-1, 0].set_xlabel("ms since the first decode round")
     fig.tight_layout()
-    fig.savefig(ctx.figure_path("gantt.png"), dpi=110)
-    plt.close(fig)
+    savefig(fig, ctx.figure_path("gantt.png"))
     note = ("\n\nOne chart per run; with more than two runs, the fastest per pair and schedule "
             f"(and the slowest when there is one such group), at most {MAX_GANTT_RUNS}."
             ) if len(ctx.runs) > 1 else ""

@@ -8,20 +8,12 @@ without building distributions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from testbed.spec.prefix import accepted_prefix  # noqa: F401  (torch-free, for the iid oracle)
 from testbed.spec.sampling import sample
-
-
-def accepted_prefix(ratios: Sequence[float], uniforms: Sequence[float]) -> int:
-    """n = min({i-1 | 1<=i<=γ, r_i > p_i(x_i)/q_i(x_i)} ∪ {γ})."""
-    for i, (ratio, r) in enumerate(zip(ratios, uniforms)):
-        if r > ratio:
-            return i
-    return len(ratios)
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""How long the user waits: the phases of `python -m testbed` and the wall time of commands.
+
+    python benchmarks/bench_cli.py [--only phases|default|help|gpu_split|wan|wan_joblib]
+                                   [--runs 1] [--out FILE.json]
+
+*phases*: one fresh process imports the app (and the simulator), runs the pre-run check of the
+default run and of the 60-job `+sweep=wan`, simulates the default experiment, writes its run
+directory and builds its per-run report, timing each step. *commands*: the wall time of
+`python -m testbed` (default run, report included), `--help`, `+sweep=gpu_split` and
+`+sweep=wan` (basic launcher, and `hydra/launcher=joblib` when hydra-joblib-launcher is
+installed), each the best of `--runs`. Every run writes into a temporary directory. Timings
+depend on the machine's load: the load average is printed with them.
+SPECBED_ROOT=DIR times another checkout of the project (a before/after pair under the same load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(os.environ.get("SPECBED_ROOT") or Path(__file__).resolve().parents[1])  # tree to time
+
+PHASES = r"""
+import json, sys, time, tempfile
+from pathlib import Path
+t = time.perf_counter()
+out = {}
+import testbed.app as app
+import sim.engine  # noqa: F401  (the simulator: imported by every simulated run)
+out["imports_s"] = time.perf_counter() - t
+from testbed.preflight import preflight
+t = time.perf_counter(); preflight([])
+out["preflight_default_s"] = time.perf_counter() - t
+t = time.perf_counter(); preflight(["+sweep=wan"])
+out["preflight_wan60_s"] = time.perf_counter() - t
+from tests.conftest import compose_exp
+exp = compose_exp()
+t = time.perf_counter(); result = app.run_backend(exp)
+out["simulate_s"] = time.perf_counter() - t
+from testbed.results import write_run
+d = Path(tempfile.mkdtemp())
+t = time.perf_counter(); write_run(d, exp, result)
+out["write_run_s"] = time.perf_counter() - t
+t = time.perf_counter()
+from testbed.report import build_report
+figures = getattr(exp.report, "figures", None)  # older trees: no such setting, always drawn
+build_report([d], d) if figures is None else build_report([d], d, figures=figures)
+out["report_s"] = time.perf_counter() - t
+print(json.dumps(out))
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "0"}
+
+
+def phases() -> dict[str, float]:
+    p = subprocess.run([sys.executable, "-c", PHASES], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=600)
+    if p.returncode:
+        raise SystemExit(f"phases failed:\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def has_joblib_launcher() -> bool:
+    try:
+        import hydra_plugins.hydra_joblib_launcher  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def command_wall(args: list[str], runs: int) -> tuple[float, float]:
+    """(best wall seconds, CPU seconds of that run: user + sys of the process and its children,
+    a figure the other load of a shared machine inflates less than the wall time)."""
+    import resource
+
+    best, best_cpu = float("inf"), float("nan")
+    for _ in range(runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            extra = [] if "--help" in args else [f"hydra.run.dir={tmp}/run", f"hydra.sweep.dir={tmp}/sweep"]
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t = time.perf_counter()
+            p = subprocess.run([sys.executable, "-m", "testbed", *args, *extra], cwd=ROOT, env=_env(),
+                               capture_output=True, text=True, timeout=900)
+            wall = time.perf_counter() - t
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            if p.returncode:
+                raise SystemExit(f"{' '.join(args)} failed:\n{p.stderr[-2000:]}")
+        if wall < best:
+            best, best_cpu = wall, cpu
+    return best, best_cpu
+
+
+COMMANDS = {
+    "default": [],
+    "help": ["--help"],
+    "gpu_split": ["+sweep=gpu_split"],
+    "wan": ["+sweep=wan"],
+    "wan_joblib": ["+sweep=wan", "hydra/launcher=joblib"],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", default=None, choices=["phases", *COMMANDS])
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    todo = args.only or ["phases", *COMMANDS]
+    results: dict[str, object] = {"loadavg_start": os.getloadavg()[0]}
+    if "phases" in todo:
+        ph = phases()
+        results["phases"] = ph
+        for k, v in ph.items():
+            print(f"phase {k:<22} {v:7.2f} s", flush=True)
+    for name, cmd in COMMANDS.items():
+        if name not in todo:
+            continue
+        if name == "wan_joblib" and not has_joblib_launcher():
+            print("python -m testbed +sweep=wan hydra/launcher=joblib: skipped (no hydra-joblib-launcher)")
+            continue
+        wall, cpu = command_wall(cmd, args.runs)
+        results[name] = {"wall_s": wall, "cpu_s": cpu}
+        print(f"python -m testbed {' '.join(cmd):<40} {wall:7.2f} s wall {cpu:7.2f} s CPU "
+              f"(load {os.getloadavg()[0]:.2f})", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

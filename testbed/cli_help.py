@@ -1,0 +1,87 @@
+"""`python -m testbed --help`: config groups with their options, then the settings by section.
+
+Read from conf/ and the schema dataclasses only (no Hydra composition), so it is instant.
+Pairs are listed as the rule (TARGET+DRAFT of model presets), not as their 256 combinations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import textwrap
+from pathlib import Path
+
+from testbed.config import ExperimentConfig
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+GROUP_NOTES = {
+    "backend": "simulate (SimPy) or execute on this machine",
+    "schedule": "decoding schedule",
+    "pair": "target + draft models",
+    "hardware": "modelled node (local: this machine)",
+    "network": "links between nodes (decentralized)",
+    "acceptance": "where the simulator's token distributions come from",
+    "workload": "prompt set",
+    "lookahead": "draft tokens per round",
+    "sweep": "a multirun with its comparison report (+sweep=NAME)",
+}
+HIDDEN_GROUPS = ("model", "split", "validate")  # parts of pairs and sweeps
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _settings() -> dict[str, list[tuple[str, str, str]]]:
+    """section -> [(key, type, default)] from the schema and its defaults."""
+    out: dict[str, list[tuple[str, str, str]]] = {}
+
+    def walk(obj: object, prefix: str, section: str) -> None:
+        for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+            value = getattr(obj, f.name)
+            key = prefix + f.name
+            if dataclasses.is_dataclass(value):
+                if key in ("pair", "hardware"):
+                    continue  # chosen as presets (pair=, hardware=), keys listed in conf/
+                walk(value, key + ".", section or f.name)
+            else:
+                t = type(value).__name__ if value is not None else "str"
+                out.setdefault(section or "general", []).append((key, t, repr(value) if isinstance(value, str) else str(value)))
+    walk(ExperimentConfig(), "", "")
+    return out
+
+
+def help_text() -> str:
+    lines = ["usage: python -m testbed [GROUP=OPTION ...] [KEY=VALUE ...] [-m]",
+             "",
+             "Run one experiment (backend=sim: simulated; backend=real: executed here), or a sweep",
+             "(+sweep=NAME, or KEY=a,b,c with -m). Results: reports/runs/ or reports/sweeps/.",
+             "", "Config groups (GROUP=OPTION):"]
+    for d in sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in HIDDEN_GROUPS):
+        note = GROUP_NOTES.get(d.name, "")
+        if d.name == "pair":
+            models = ", ".join(_options("model"))
+            body = (f"TARGET+DRAFT, any two model presets sharing a tokenizer; published: "
+                    f"{', '.join(_options('pair'))}; models: {models}")
+        else:
+            body = ", ".join(_options(d.name))
+        prefix = f"  {d.name:<11}"
+        wrapped = textwrap.wrap(body, width=98 - len(prefix), break_on_hyphens=False)
+        lines.append(f"{prefix}{wrapped[0]}" + (f"   ({note})" if note and len(wrapped) == 1 else ""))
+        lines += [" " * len(prefix) + w for w in wrapped[1:]]
+    lines += ["", "Settings (KEY=VALUE; type, default):"]
+    for section, items in _settings().items():
+        lines.append(f"  {section}:")
+        for key, t, default in items:
+            lines.append(f"    {key:<30} {t:<6} {default}")
+    lines += ["", "Sweeps: -m KEY=a,b (cartesian product); hydra/launcher=joblib runs jobs on every core",
+              "(backend=sim); hydra/launcher=submitit_local|submitit_slurm for clusters. Re-running a",
+              "sweep with the same hydra.sweep.dir=DIR skips its finished jobs.",
+              "Reports: python -m testbed.report DIR... [--out DIR].  Hydra's own help: --hydra-help.",
+              "Errors name the key and what is allowed, exit code 2; see README.md."]
+    return "\n".join(lines)
+
+
+def print_help() -> None:
+    with contextlib.suppress(BrokenPipeError):  # `--help | head`
+        print(help_text(), flush=True)

@@ -1,0 +1,79 @@
+"""One look for every report: colours, human names, number format, figure sizes.
+
+The same span kind and the same schedule get the same colour in every figure (one mapping,
+here); column names are what a researcher reads (`tokens/s`, not `tokens_per_s`); numbers have
+three significant figures; a figure is sized for its content and wrapped into rows rather than
+stretched into a strip.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# Okabe–Ito (colour-blind safe), then greys for the rest
+_PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442",
+            "#000000", "#999999", "#666666"]
+SCHEDULE_COLORS = {"ar": "#999999", "sync": "#0072B2", "sync_tree": "#000000",
+                   "async": "#E69F00", "decentralized": "#009E73", "ar baseline": "#999999"}
+SPAN_COLORS = {"draft": "#E69F00", "target": "#0072B2", "verify": "#0072B2", "prefill": "#CCCCCC",
+               "link": "#009E73", "send": "#009E73", "recv": "#56B4E9", "allreduce": "#CC79A7",
+               "stage": "#0072B2", "bubble": "#F0E442", "idle": "#EEEEEE"}
+
+HUMAN = {
+    "tokens_per_s": "tokens/s", "tpot_ms": "TPOT (ms)", "speedup": "speedup vs ar",
+    "alpha": "α (measured)", "alpha_config": "α (set)", "mean_accepted_len": "accepted len",
+    "prefill_s": "prefill (s)", "ar_tokens_per_s": "ar tokens/s", "target_gpus": "target GPUs",
+    "draft_gpus": "draft GPUs", "gamma": "γ", "sim_c": "c (draft/target cost)",
+    "cost_model": "cost model", "oracle": "acceptance", "latency_ms": "link latency (ms)",
+    "tau": "τ", "key_token_fraction": "key-token share", "t0_ms": "t0 (ms)", "t1_ms": "t1 (ms)",
+    "comm_reduction_eq5": "comm. reduction (eq. 5)", "temperature": "temperature",
+    "error_pct": "error (%)", "num_requests": "requests",
+}
+
+
+def human(name: str) -> str:
+    return HUMAN.get(name, name)
+
+
+def human_columns(cols: list[Any]) -> list[str]:
+    return [human(str(c)) for c in cols]
+
+
+def sig3(v: float) -> str:
+    """Three significant figures, thousands separated, no scientific notation in normal ranges."""
+    if v == 0 or not math.isfinite(v):
+        return "0" if v == 0 else str(v)
+    mag = math.floor(math.log10(abs(v)))
+    if mag >= 3:
+        return f"{v:,.0f}"
+    if mag < -4:
+        return f"{v:.2e}"
+    return f"{v:.{max(0, 2 - mag)}f}"
+
+
+def color_for(name: str, fallback_index: int = 0) -> str:
+    if name in SCHEDULE_COLORS:
+        return SCHEDULE_COLORS[name]
+    for key, c in SPAN_COLORS.items():
+        if name == key or name.startswith(key):
+            return c
+    return _PALETTE[fallback_index % len(_PALETTE)]
+
+
+def colors_for(names: list[str]) -> dict[str, str]:
+    return {n: color_for(n, i) for i, n in enumerate(names)}
+
+
+def grid(n: int, max_cols: int = 3) -> tuple[int, int]:
+    """Rows and columns for n facets: at most `max_cols` wide, wrapping into rows."""
+    cols = min(max_cols, max(1, n))
+    return math.ceil(n / cols), cols
+
+
+def savefig(fig: Any, path: Any) -> None:
+    """Every figure the same way: tight, 100 dpi (natural size ≈ figsize × 100 px)."""
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

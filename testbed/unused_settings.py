@@ -1,0 +1,114 @@
+"""Settings that have no effect on an experiment, and the experiment's identity without them.
+
+``unused_settings(exp)`` maps a key prefix (``schedule.tau``, ``network``, ``real`` …) to the
+reason it does nothing for this schedule and backend: what *would* use it. The pre-run check
+turns a command-line setting that no job of the command uses into an error naming that use, so
+a sweep over such a setting cannot silently give flat results.
+
+``experiment_hash(exp)`` is a digest of the resolved experiment with every unused setting reset
+to its default (so a harmless leftover value does not make two identical experiments differ);
+a sweep re-run into the same directory skips a job whose stored hash matches.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+
+from testbed.config import (
+    AcceptanceConfig,
+    ExperimentConfig,
+    NetworkConfig,
+    RealConfig,
+    ReportConfig,
+    ScheduleConfig,
+    SimConfig,
+    as_dict,
+)
+
+HASH_FILE = "experiment_hash"
+
+
+def uses_links(exp: ExperimentConfig) -> bool:
+    """Inter-node links exist: DSD's pipeline, or `ar` pipelined over nodes (simulator)."""
+    return exp.backend == "sim" and (exp.schedule.name == "decentralized"
+                                     or (exp.schedule.name == "ar" and exp.placement.nodes > 1))
+
+
+def unused_settings(exp: ExperimentConfig) -> dict[str, str]:
+    """Key prefix -> what would use it, for every setting without effect on this experiment."""
+    s, out = exp.schedule, {}
+    if s.name != "decentralized":
+        out["schedule.adaptive"] = "schedule=decentralized (DSD adaptive verification)"
+        out["schedule.lambda*"] = "schedule=decentralized schedule.adaptive=true (DSD key tokens)"
+    if not (s.name == "decentralized" and s.adaptive):
+        out["schedule.tau"] = "schedule.adaptive=true with schedule=decentralized (τ relaxes DSD's adaptive verification)"
+    if not (s.tree or s.name == "async"):
+        out["schedule.tree_*"] = "schedule.tree=true or schedule=async (token trees)"
+    if s.name == "ar":
+        out["schedule.gamma"] = "a speculative schedule (sync, async, decentralized): ar drafts nothing"
+        out["lookahead"] = "a speculative schedule (sync, decentralized)"
+    if not (exp.backend == "sim" and s.name in ("decentralized", "ar")):
+        out["placement.nodes"] = "schedule=decentralized (or ar) with backend=sim: a pipeline over nodes"
+    if not uses_links(exp):
+        out["network"] = ("links between nodes: schedule=decentralized (or ar with placement.nodes>1) "
+                          "with backend=sim")
+    if exp.backend != "real":
+        out["real"] = "backend=real"
+    else:
+        out["sim"] = "backend=sim"
+        out["acceptance"] = "backend=sim (the real backend's acceptance comes from its models)"
+    if exp.backend == "sim" and exp.sim.cost_model != "analytic":
+        out["sim.c"] = "sim.cost_model=analytic"
+        out["sim.t_target_ms"] = "sim.cost_model=analytic"
+    if exp.backend == "sim" and exp.sim.cost_model != "profile":
+        out["sim.profile_*"] = "sim.cost_model=profile"
+    if exp.acceptance.oracle != "trace":
+        out["acceptance.trace_path"] = "acceptance=trace"
+    if exp.acceptance.oracle != "synthetic":
+        out["acceptance.vocab"] = "acceptance=synthetic"
+    if exp.acceptance.oracle == "trace":
+        out["acceptance.alpha"] = "acceptance=iid or synthetic (trace replays recorded acceptance)"
+    if exp.workload.name != "synthetic":
+        out["workload.prompt_len"] = "workload=synthetic (real prompt sets have their own lengths)"
+    return out
+
+
+def unused_for(key: str, unused: dict[str, str]) -> str | None:
+    """What would use `key` (a dotted override key or a group name), None if it is used.
+    An entry names a key and everything below it; a trailing `*` makes it a plain prefix."""
+    for entry, why in unused.items():
+        if entry.endswith("*"):
+            if key.startswith(entry[:-1]):
+                return why
+        elif key == entry or key.startswith(entry + "."):
+            return why
+    return None
+
+
+def normalized(exp: ExperimentConfig) -> ExperimentConfig:
+    """The experiment with every unused setting at its default (what the hash covers)."""
+    e = copy.deepcopy(exp)
+    unused = unused_settings(e)
+    sd = ScheduleConfig()
+    for f in ("adaptive", "tau", "lambda1", "lambda2", "lambda3", "tree_width", "tree_budget",
+              "tree_depth", "gamma"):
+        if unused_for(f"schedule.{f}", unused):
+            setattr(e.schedule, f, getattr(sd, f))
+    if "placement.nodes" in unused:
+        e.placement.nodes = 1
+    if "network" in unused:
+        e.network = NetworkConfig()
+    if "real" in unused:
+        e.real = RealConfig()
+    if "sim" in unused:
+        e.sim = SimConfig()
+        e.acceptance = AcceptanceConfig()
+    e.report = ReportConfig()  # how results are shown is not part of the experiment
+    return e
+
+
+def experiment_hash(exp: ExperimentConfig) -> str:
+    blob = json.dumps(as_dict(normalized(exp)), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

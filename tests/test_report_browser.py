@@ -1,0 +1,78 @@
+"""The sweep report as a browser shows it: headless Chromium loads report.html, and a script
+checks that every image loaded, that no figure is a strip (wider than tall by more than 4:1)
+or too wide to read at its natural size, and that every figure links to its full size.
+
+Skipped when no Chromium binary is installed (`apt-get install chromium`)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sim.engine import run
+from testbed.report import build_report
+from testbed.results import write_run
+from tests.conftest import compose_exp
+
+MAX_ASPECT = 4.0
+MAX_WIDTH_PX = 1600
+
+CHECK = """<script>
+window.addEventListener("load", () => {
+  const imgs = [...document.images].map(i => ({src: i.getAttribute("src"), w: i.naturalWidth,
+    h: i.naturalHeight, ok: i.complete && i.naturalWidth > 0,
+    link: i.parentElement.tagName === "A" ? i.parentElement.getAttribute("href") : null}));
+  const th = document.querySelectorAll("th").length;
+  const pre = document.createElement("pre");
+  pre.id = "check";
+  pre.textContent = JSON.stringify({imgs, th, text: document.body.innerText.includes("`")});
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
+def chromium() -> str | None:
+    return next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome",
+                                                        "chrome")) if p), None)
+
+
+def sweep_report(tmp: Path) -> Path:
+    small = ("workload.num_prompts=2", "workload.max_new_tokens=48")
+    jobs = {f"split_{s}": (f"+split={s}",) for s in ("t2", "t4", "t6", "sync", "sync_tree")}
+    jobs |= {f"gamma_{g}": (f"schedule.gamma={g}",) for g in (1, 3, 5)}
+    jobs |= {f"dsd_{lat}": ("schedule=decentralized", "hardware=a800_nodes", "placement.nodes=2",
+                            "network=wan", f"network.latency_ms={lat}") for lat in (0, 20)}
+    sweep = tmp / "sweep"
+    for i, (_, overrides) in enumerate(jobs.items()):
+        exp = compose_exp(*overrides, *small)
+        write_run(sweep / str(i), exp, run(exp))
+    return build_report([sweep], sweep)
+
+
+def test_sweep_report_renders_in_chromium(tmp_path: Path) -> None:
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no chromium binary on PATH (apt-get install chromium) for the headless report check")
+    report = sweep_report(tmp_path).with_suffix(".html")
+    page = report.parent / "_check.html"
+    page.write_text(report.read_text() + CHECK)
+    p = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--allow-file-access-from-files",
+                        "--virtual-time-budget=15000", "--dump-dom", page.as_uri()],
+                       capture_output=True, text=True, timeout=120)
+    m = re.search(r'<pre id="check">(.*?)</pre>', p.stdout, re.S)
+    assert m, f"no result from chromium: {p.stderr[-1500:]}"
+    result = json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+    imgs = result["imgs"]
+    assert len(imgs) >= 4
+    for img in imgs:
+        assert img["ok"], f"{img['src']} did not load"
+        assert img["w"] <= MAX_ASPECT * img["h"], f"{img['src']} is a strip: {img['w']}x{img['h']}"
+        assert img["w"] <= MAX_WIDTH_PX, f"{img['src']} is {img['w']} px wide"
+        assert img["link"] == img["src"], f"{img['src']} does not link to its full size"
+    assert result["th"] > 0, "tables without header cells"
+    assert not result["text"], "literal backticks in the rendered report"

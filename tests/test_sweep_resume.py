@@ -1,0 +1,119 @@
+"""Sweeps: an interrupted sweep re-run into the same directory redoes only the unfinished jobs
+and ends with the results of an uninterrupted one; a failing job is reported, not fatal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from testbed.results import write_run
+from tests.conftest import ROOT, compose_exp, run_cli
+
+GRID = ["-m", "schedule.gamma=1,2,3,4,5,6", "acceptance.alpha=0.6,0.8", "workload.num_prompts=2",
+        "workload.max_new_tokens=64"]
+JOBS = 12
+
+
+def finished(sweep: Path) -> list[Path]:
+    return sorted(p.parent for p in sweep.glob("*/summary.json"))
+
+
+def test_interrupted_sweep_resumes_where_it_stopped(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "testbed", *GRID, f"hydra.sweep.dir={sweep}"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 240
+    while len(finished(sweep)) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # as a crash or Ctrl-C would leave it
+    proc.wait(timeout=30)
+    done_before = finished(sweep)
+    assert 3 <= len(done_before) < JOBS, "the sweep was not interrupted midway"
+    stamps = {d: ((d / "summary.json").stat().st_mtime_ns, (d / "run_info.json").read_text())
+              for d in done_before}
+
+    p = run_cli(*GRID, f"hydra.sweep.dir={sweep}")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"{len(done_before)} skipped" in p.stderr
+    assert len(finished(sweep)) == JOBS
+    for d, stamp in stamps.items():  # finished jobs were not run again
+        assert ((d / "summary.json").stat().st_mtime_ns, (d / "run_info.json").read_text()) == stamp
+
+    clean = tmp_path / "clean"
+    q = run_cli(*GRID, f"hydra.sweep.dir={clean}")
+    assert q.returncode == 0, q.stderr[-2000:]
+    resumed, whole = pd.read_parquet(sweep / "results.parquet"), pd.read_parquet(clean / "results.parquet")
+    assert len(whole) == JOBS and set(whole["status"]) == {"ok"}
+    pd.testing.assert_frame_equal(resumed, whole)
+    assert (sweep / "results.csv").read_text() == (clean / "results.csv").read_text()
+
+
+def test_changed_experiment_is_rerun(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    base = ["-m", "schedule.gamma=1,2", "workload.num_prompts=1", "workload.max_new_tokens=16",
+            f"hydra.sweep.dir={sweep}"]
+    assert run_cli(*base).returncode == 0
+    p = run_cli(*base, "workload.max_new_tokens=24")  # same job numbers, other experiments
+    assert p.returncode == 0 and "skipped" not in p.stderr
+    df = pd.read_parquet(sweep / "results.parquet")
+    assert (df["generated_tokens"] == 24).all()
+
+
+def test_failing_job_is_reported_and_others_kept(tmp_path: Path) -> None:
+    trace = tmp_path / "trace_run"
+    exp = compose_exp("workload.num_prompts=1", "workload.max_new_tokens=16")
+    from sim.engine import run
+
+    write_run(trace, exp, run(exp))
+    bad = tmp_path / "bad_trace"
+    write_run(bad, exp, run(exp))
+    (bad / "rounds.parquet").write_bytes(b"not parquet")
+    sweep = tmp_path / "sweep"
+    p = run_cli("-m", "acceptance=trace", f"acceptance.trace_path={trace},{bad}",
+                "workload.num_prompts=1", "workload.max_new_tokens=16", f"hydra.sweep.dir={sweep}")
+    assert p.returncode == 1
+    assert "Traceback" not in p.stderr and "1 job(s) failed" in p.stderr
+    df = pd.read_parquet(sweep / "results.parquet")
+    assert list(df["status"]) == ["ok", "failed"]
+    assert "rounds.parquet" in df["error"].iloc[1]
+    report = (sweep / "report.md").read_text()
+    assert "## Failed jobs" in report and "rounds.parquet" in report
+    assert (sweep / "0" / "summary.json").exists()
+
+
+def test_real_runs_take_turns_on_one_host(tmp_path: Path) -> None:
+    """A real job waits while another holds the host lock, unless real.allow_concurrent=true."""
+    import threading
+
+    from filelock import FileLock
+
+    from testbed.sweeps import REAL_LOCK, real_run_lock
+
+    exp = compose_exp("backend=real", "real.progress=false")
+    entered = threading.Event()
+
+    def job() -> None:
+        with real_run_lock(exp, tmp_path):
+            entered.set()
+
+    held = FileLock(str(REAL_LOCK))
+    held.acquire()
+    try:
+        t = threading.Thread(target=job)
+        t.start()
+        assert not entered.wait(0.5), "a second real run started while the first held the host"
+        exp.real.allow_concurrent = True
+        with real_run_lock(exp, tmp_path):
+            pass  # allowed at once
+    finally:
+        held.release()
+    t.join(timeout=30)
+    assert entered.is_set() and not t.is_alive()
