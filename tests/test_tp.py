@@ -225,6 +225,7 @@ def _bundled_run(model: Transformer, tok) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.model
+@pytest.mark.slow  # ~40 s quiet; the tiny-model TP tests above run by default
 def test_bundled_tp2_equals_tp1(tmp_path: Path) -> None:
     from tests.real_models import bundled
 
