@@ -496,9 +496,10 @@ def train(cfg: DictConfig) -> Transformer:
     step, elapsed = 0, 0.0
     if ckpt_path.is_file():
         ck = torch.load(ckpt_path, weights_only=False)
-        if set(ck["model"]) != set(model.state_dict()):  # e.g. one of the former DraftLM
-            raise RealSetupError(f"{ckpt_path} is not a checkpoint of this draft architecture; "
-                                 "delete it to train from step 0 (the teacher data is kept)")
+        shapes = {k: v.shape for k, v in model.state_dict().items()}
+        if {k: v.shape for k, v in ck["model"].items()} != shapes:  # another arch, or the former DraftLM
+            raise RealSetupError(f"{ckpt_path} is not a checkpoint of this draft architecture "
+                                 "(arch.*); delete it to train from step 0 (the teacher data is kept)")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         torch.set_rng_state(ck["rng"])
