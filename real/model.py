@@ -19,6 +19,10 @@ Token trees: write the tree's nodes to consecutive slots, give their RoPE positi
 (``position_ids`` = prefix length + depth) and a boolean ``mask [T, S]`` letting each node see the
 committed prefix, its ancestors and itself. After verification, ``move_kv`` copies the accepted
 nodes' slots down behind the prefix (their keys were rotated at the right positions already).
+
+Training (``real.train_draft``): ``forward(tokens, cache=False)`` neither reads nor writes a
+cache: the T tokens attend causally among themselves (or as a ``[T, T]`` mask says), so an
+autograd graph never outlives its step and no cache has to be allocated.
 """
 
 from __future__ import annotations
@@ -121,7 +125,8 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor,
-                mask: Tensor | None, kv_len: int) -> Tensor:
+                mask: Tensor | None, kv_len: int | None) -> Tensor:
+        """``kv_len`` None: a cache-free forward (the T tokens attend among themselves)."""
         b, t, _ = x.shape
         hq, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = kernels.linear(x, self.wqkv).view(b, t, hq + 2 * hkv, d)
@@ -130,9 +135,10 @@ class Attention(nn.Module):
         q = qk[:, :, :hq].transpose(1, 2)
         k = qk[:, :, hq:].transpose(1, 2)
         v = qkv[:, :, hq + hkv :].transpose(1, 2)
-        if self.kv_cache is None:
-            raise RuntimeError("KV cache not allocated: call Transformer.setup_cache() first")
-        k, v = self.kv_cache.update(input_pos, k, v, kv_len)
+        if kv_len is not None:
+            if self.kv_cache is None:
+                raise RuntimeError("KV cache not allocated: call Transformer.setup_cache() first")
+            k, v = self.kv_cache.update(input_pos, k, v, kv_len)
         y = kernels.attention(q, k, v, mask)
         return kernels.linear(y.transpose(1, 2).reshape(b, t, hq * d), self.wo)
 
@@ -157,11 +163,16 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args, dtype, device)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor,
-                mask: Tensor | None, kv_len: int) -> Tensor:
-        # residual adds in place on the fresh projection outputs (no extra allocation)
-        h = self.attention(kernels.rms_norm(x, self.attention_norm, self.eps),
-                           cos, sin, input_pos, mask, kv_len).add_(x)
-        return self.feed_forward(kernels.rms_norm(h, self.ffn_norm, self.eps)).add_(h)
+                mask: Tensor | None, kv_len: int | None) -> Tensor:
+        h = _add_residual(self.attention(kernels.rms_norm(x, self.attention_norm, self.eps),
+                                         cos, sin, input_pos, mask, kv_len), x)
+        return _add_residual(self.feed_forward(kernels.rms_norm(h, self.ffn_norm, self.eps)), h)
+
+
+def _add_residual(out: Tensor, residual: Tensor) -> Tensor:
+    # In place on the fresh projection output (no extra allocation), except under autocast
+    # (training), where that output is bf16 and must not narrow the fp32 residual stream.
+    return out.add_(residual) if out.dtype == residual.dtype else residual + out
 
 
 class Transformer(nn.Module):
@@ -256,7 +267,8 @@ class Transformer(nn.Module):
         return input_pos
 
     def forward_layers(self, h: Tensor, input_pos: Tensor | int | None = None, mask: Tensor | None = None,
-                       lo: int = 0, hi: int | None = None, position_ids: Tensor | None = None) -> Tensor:
+                       lo: int = 0, hi: int | None = None, position_ids: Tensor | None = None,
+                       *, cache: bool = True) -> Tensor:
         """Run layers ``[lo, hi)`` on hidden states ``h [B, T, dim]``.
 
         ``input_pos``: cache slots ``[T]`` (or the first slot as an int; None = ``kv_len``).
@@ -264,10 +276,16 @@ class Transformer(nn.Module):
         ``mask``: bool ``[T, S]`` / ``[B, 1, T, S]``, True = attend, over slots ``[0, S)``;
         None = causal (token i sees slots ``<= input_pos[i]``), which assumes that the slots
         before ``input_pos[0]`` hold the committed prefix.
+        ``cache=False``: no cache is read or written (training): the tokens are slots
+        ``0..T-1`` of their own (``input_pos`` must be None), ``mask`` ``[T, T]`` or causal;
+        ``kv_len`` is left alone.
         """
         hi = self.args.n_layers if hi is None else hi
         t = h.shape[1]
-        pos = self._positions(t, input_pos)
+        if not cache and input_pos is not None:
+            raise ValueError("cache=False writes no cache slots: pass RoPE positions as position_ids, "
+                             "not input_pos")
+        pos = self._positions(t, input_pos if cache else 0)
         rope_pos = pos if position_ids is None else position_ids
         cos, sin = self.rope_cos[rope_pos], self.rope_sin_signed[rope_pos]
         if mask is None:
@@ -279,6 +297,10 @@ class Transformer(nn.Module):
             kv_len, high = mask.shape[-1], int(pos.max()) + 1
             if high > kv_len:
                 raise ValueError(f"mask covers {kv_len} slots but a token is written at slot {high - 1}")
+        if not cache:
+            for layer in self.layers[lo:hi]:
+                h = layer(h, cos, sin, pos, mask, None)
+            return h
         if high > self.max_seq:
             raise ValueError(f"slot {high - 1} is beyond the KV cache ({self.max_seq} slots; "
                              "call setup_cache with a larger max_seq)")
@@ -294,14 +316,15 @@ class Transformer(nn.Module):
         return h
 
     def forward(self, x: Tensor, input_pos: Tensor | int | None = None, mask: Tensor | None = None,
-                position_ids: Tensor | None = None, layers: tuple[int, int] | None = None) -> Tensor:
+                position_ids: Tensor | None = None, layers: tuple[int, int] | None = None,
+                *, cache: bool = True) -> Tensor:
         """Tokens ``[B, T]`` -> fp32 logits ``[B, T, vocab]`` (see ``forward_layers`` for the
         arguments). With ``layers=(lo, hi)`` (a pipeline stage) the input is tokens only when
         lo == 0 (hidden states ``[B, T, dim]`` otherwise) and the output is logits only when
         hi == n_layers (hidden states otherwise)."""
         lo, hi = layers or (0, self.args.n_layers)
         h = self.embed(x) if lo == 0 else x
-        h = self.forward_layers(h, input_pos, mask, lo, hi, position_ids)
+        h = self.forward_layers(h, input_pos, mask, lo, hi, position_ids, cache=cache)
         return self.head(h) if hi == self.args.n_layers else h
 
     def early_exit(self, tokens: Tensor, n_layers: int, input_pos: Tensor | int | None = None,

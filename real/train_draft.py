@@ -10,7 +10,8 @@ Two phases, both resumable (rerun the same command after an interruption):
    of humaneval, mtbench and alpaca; the ``holdout`` split is never read) and of function
    headers+docstrings cut from the Python standard library, plus teacher-forced chunks of
    stdlib source. Every position stores the target's top-k log-probabilities.
-2. Distillation of a tiny Llama (tied embeddings initialised by a PCA of the target's) with the
+2. Distillation of a tiny Llama -- ``real.model.Transformer`` itself, on the reference ops and
+   without a KV cache (tied embeddings initialised by a PCA of the target's) -- with the
    KL to the target's top-k distribution (the tail mass as one extra bucket). A checkpoint
    (model, optimizer, RNG, step = data position) is written every few minutes; the data order
    is a pure function of (seed, step), so a resumed run reproduces an uninterrupted one.
@@ -26,136 +27,104 @@ import json
 import math
 import os
 import random
+import sys
 import sysconfig
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
-from torch import Tensor, nn
+from torch import Tensor
 
+import kernels
+from real.errors import USER_ERRORS, RealSetupError
+from real.model import ModelArgs, Transformer
+from real.weights import to_model_state
 from testbed.paths import ROOT, repo_path
 
 
 # ------------------------------------------------------------------------------ the draft
-@dataclass
-class DraftArch:
-    dim: int = 192
-    n_layers: int = 3
-    n_heads: int = 3
-    n_kv_heads: int = 3
-    ffn_dim: int = 1024
-    vocab_size: int = 49152
-    norm_eps: float = 1e-5
-    rope_theta: float = 100000.0
-    max_seq_len: int = 2048
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+def draft_args(arch: dict) -> ModelArgs:
+    """The draft's architecture (``arch`` of conf/train_draft.yaml): a Llama with tied embeddings."""
+    return ModelArgs(**arch, tie_embeddings=True)
 
 
-def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
-
-
-class DraftBlock(nn.Module):
-    def __init__(self, a: DraftArch) -> None:
-        super().__init__()
-        hd = a.head_dim
-        self.input_layernorm = nn.Parameter(torch.ones(a.dim))
-        self.post_attention_layernorm = nn.Parameter(torch.ones(a.dim))
-        self.q_proj = nn.Linear(a.dim, a.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(a.dim, a.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(a.dim, a.n_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(a.n_heads * hd, a.dim, bias=False)
-        self.gate_proj = nn.Linear(a.dim, a.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(a.dim, a.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(a.ffn_dim, a.dim, bias=False)
-        self.a = a
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        a, (b, t, _) = self.a, x.shape
-        h = _rms_norm(x, self.input_layernorm, a.norm_eps)
-        q = self.q_proj(h).view(b, t, a.n_heads, a.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=a.n_heads != a.n_kv_heads)
-        x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-        h = _rms_norm(x, self.post_attention_layernorm, a.norm_eps)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-
-
-class DraftLM(nn.Module):
-    """Trainable Llama with tied embeddings (training only; inference uses real.model)."""
-
-    def __init__(self, a: DraftArch) -> None:
-        super().__init__()
-        self.a = a
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
-        self.layers = nn.ModuleList(DraftBlock(a) for _ in range(a.n_layers))
-        self.norm = nn.Parameter(torch.ones(a.dim))
-        inv = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float64) / a.head_dim))
-        ang = torch.outer(torch.arange(a.max_seq_len, dtype=torch.float64), inv)
-        ang = torch.cat([ang, ang], dim=-1)
-        self.register_buffer("cos", ang.cos().float(), persistent=False)
-        self.register_buffer("sin", ang.sin().float(), persistent=False)
-
-    def forward(self, tokens: Tensor, select: Tensor | None = None) -> Tensor:
-        """Logits ``[B, T, V]``, or ``[N, V]`` for the positions where ``select [B, T]`` is
-        true (the LM head dominates the cost: skip positions without a loss)."""
-        t = tokens.shape[1]
-        cos, sin = self.cos[:t], self.sin[:t]
-        h = self.embed_tokens(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        if select is not None:
-            h = h[select]
-        return F.linear(_rms_norm(h, self.norm, self.a.norm_eps), self.embed_tokens.weight)
-
-    def hf_state(self) -> dict[str, Tensor]:
-        """HF Llama tensor names (tied: no lm_head.weight)."""
-        out = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm}
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            out[p + "input_layernorm.weight"] = layer.input_layernorm
-            out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                out[p + f"self_attn.{n}.weight"] = getattr(layer, n).weight
-            for n in ("gate_proj", "up_proj", "down_proj"):
-                out[p + f"mlp.{n}.weight"] = getattr(layer, n).weight
-        return {k: v.detach() for k, v in out.items()}
-
-
-def init_draft(a: DraftArch, target_embedding: Tensor | None, seed: int) -> DraftLM:
-    """Small random init; the embedding (= LM head) is the target's projected on its top-``dim``
+def init_draft(args: ModelArgs, target_embedding: Tensor | None, seed: int) -> Transformer:
+    """A trainable ``real.model.Transformer`` (fp32, gradients on, no KV cache): small random
+    matrices, norms 1; the embedding (= LM head) is the target's projected on its top-``dim``
     principal directions, so the draft starts with the target's token geometry."""
-    torch.manual_seed(seed)
-    model = DraftLM(a)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
-                if name.endswith(("o_proj.weight", "down_proj.weight")):
-                    p.mul_(1.0 / math.sqrt(2 * a.n_layers))
-        if target_embedding is not None:
-            e = target_embedding.double()
-            e = e - e.mean(0, keepdim=True)
-            _, _, v = torch.linalg.svd(e[:: max(1, e.shape[0] // 16384)], full_matrices=False)
-            proj = e @ v[: a.dim].T  # [V, dim]
-            # unit-norm rows: logits start at a few units (not hundreds) after the final RMSNorm
-            model.embed_tokens.weight.copy_((proj / proj.std()).float() / math.sqrt(a.dim))
-    return model
+    gen = torch.Generator().manual_seed(seed)
+    hd, ffn = args.head_dim, args.ffn_dim
+    # HF-named tensors, fused by the loader's own to_model_state (one layout, one fusing rule)
+    hf = {"model.embed_tokens.weight": torch.randn(args.vocab_size, args.dim, generator=gen) * 0.02,
+          "model.norm.weight": torch.ones(args.dim)}
+    out_scale = 1.0 / math.sqrt(2 * args.n_layers)  # residual-branch outputs (GPT-2 style)
+    for i in range(args.n_layers):
+        p = f"model.layers.{i}."
+        shapes = {"self_attn.q_proj": (args.n_heads * hd, args.dim),
+                  "self_attn.k_proj": (args.n_kv_heads * hd, args.dim),
+                  "self_attn.v_proj": (args.n_kv_heads * hd, args.dim),
+                  "self_attn.o_proj": (args.dim, args.n_heads * hd),
+                  "mlp.gate_proj": (ffn, args.dim), "mlp.up_proj": (ffn, args.dim),
+                  "mlp.down_proj": (args.dim, ffn)}
+        for name, shape in shapes.items():
+            w = torch.randn(shape, generator=gen) * 0.02
+            hf[p + name + ".weight"] = w * out_scale if name.endswith(("o_proj", "down_proj")) else w
+        hf[p + "input_layernorm.weight"] = torch.ones(args.dim)
+        hf[p + "post_attention_layernorm.weight"] = torch.ones(args.dim)
+    if target_embedding is not None:
+        e = target_embedding.double()
+        e = e - e.mean(0, keepdim=True)
+        _, _, v = torch.linalg.svd(e[:: max(1, e.shape[0] // 16384)], full_matrices=False)
+        proj = e @ v[: args.dim].T  # [V, dim]
+        # unit-norm rows: logits start at a few units (not hundreds) after the final RMSNorm
+        hf["model.embed_tokens.weight"] = (proj / proj.std()).float() / math.sqrt(args.dim)
+    model = Transformer(args)  # parameters uninitialized until the load just below
+    model.load_state_dict(to_model_state(hf, args))
+    return model.requires_grad_(True)
+
+
+def hf_state(model: Transformer) -> dict[str, Tensor]:
+    """The model's weights under HF Llama names (tied: no lm_head.weight): the inverse of
+    ``real.weights.to_model_state``, splitting Q|K|V and gate|up again."""
+    a = model.args
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    out = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm}
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        wq, wk, wv = layer.attention.wqkv.split([q, kv, kv])
+        gate, up = layer.feed_forward.w13.split([a.ffn_dim, a.ffn_dim])
+        out |= {p + "input_layernorm.weight": layer.attention_norm,
+                p + "post_attention_layernorm.weight": layer.ffn_norm,
+                p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
+                p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": layer.attention.wo,
+                p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                p + "mlp.down_proj.weight": layer.feed_forward.w2}
+    return {k: v.detach() for k, v in out.items()}
+
+
+@contextmanager
+def reference_kernels() -> Iterator[None]:
+    """The PyTorch reference ops (differentiable; the faster CPU kernels are inference-only),
+    restoring whatever was registered before."""
+    saved = {name: kernels.get(name) for name in kernels.OPS}
+    kernels.use_reference()
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(kernels, name, fn)
+
+
+def draft_logits(model: Transformer, tokens: Tensor, select: Tensor | None = None) -> Tensor:
+    """Training forward, cache-free: logits ``[B, T, V]``, or ``[N, V]`` for the positions where
+    ``select [B, T]`` is true (the LM head dominates the cost: skip positions without a loss)."""
+    h = model.forward_layers(model.embed(tokens), cache=False)
+    return model.head(h if select is None else h[select])
 
 
 # ------------------------------------------------------------------------- teacher data
@@ -434,16 +403,16 @@ def lr_at(step: int, cfg: DictConfig) -> float:
 
 
 # --------------------------------------------------------------------------------- export
-def export_hf(model: DraftLM, out: Path, dtype: torch.dtype = torch.float16) -> None:
+def export_hf(model: Transformer, out: Path, dtype: torch.dtype = torch.float16) -> None:
     """A plain HF LlamaForCausalLM directory with the target's tokenizer (from the GGUF)."""
     from safetensors.torch import save_file
 
     from real.tokenizer import load_bundled_tokenizer
 
-    a = model.a
+    a = model.args
     out.mkdir(parents=True, exist_ok=True)
     tok = load_bundled_tokenizer()
-    state = {k: v.to(dtype).contiguous() for k, v in model.hf_state().items()}
+    state = {k: v.to(dtype).contiguous() for k, v in hf_state(model).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     bos, eos = tok.bos_token_id, tok.eos_token_ids[0]
     config = {
@@ -473,8 +442,8 @@ def export_hf(model: DraftLM, out: Path, dtype: torch.dtype = torch.float16) -> 
 
 
 # ---------------------------------------------------------------------------------- train
-def arch_from_cfg(cfg: DictConfig) -> DraftArch:
-    return DraftArch(**OmegaConf.to_container(cfg.arch, resolve=True))  # type: ignore[arg-type]
+def arch_from_cfg(cfg: DictConfig) -> ModelArgs:
+    return draft_args(OmegaConf.to_container(cfg.arch, resolve=True))  # type: ignore[arg-type]
 
 
 def target_embedding() -> Tensor:
@@ -486,7 +455,26 @@ def target_embedding() -> Tensor:
     return gguf_hf_state(reader, gguf_args(reader))["model.embed_tokens.weight"]
 
 
-def train(cfg: DictConfig) -> DraftLM:
+def train_step(model: Transformer, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...],
+               lr: float, cfg: DictConfig) -> float:
+    """One optimizer step on ``batch`` (tokens, teacher ids, log-probs, weights); the loss."""
+    toks, idx, lp, w = batch
+    for g in opt.param_groups:
+        g["lr"] = lr
+    sel = w > 0
+    with reference_kernels():
+        # bf16 matmuls (avx512_bf16: ~3x fp32 here); the loss itself is computed in fp32
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(cfg.train.bf16)):
+            logits = draft_logits(model, toks, sel)
+        loss = distill_loss(logits, idx[sel], lp[sel], w[sel])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+    opt.step()
+    return float(loss.detach())
+
+
+def train(cfg: DictConfig) -> Transformer:
     """Both phases; returns the trained draft (also checkpointed and exported)."""
     from tqdm import tqdm
 
@@ -508,6 +496,10 @@ def train(cfg: DictConfig) -> DraftLM:
     step, elapsed = 0, 0.0
     if ckpt_path.is_file():
         ck = torch.load(ckpt_path, weights_only=False)
+        shapes = {k: v.shape for k, v in model.state_dict().items()}
+        if {k: v.shape for k, v in ck["model"].items()} != shapes:  # another arch, or the former DraftLM
+            raise RealSetupError(f"{ckpt_path} is not a checkpoint of this draft architecture "
+                                 "(arch.*); delete it to train from step 0 (the teacher data is kept)")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         torch.set_rng_state(ck["rng"])
@@ -528,20 +520,9 @@ def train(cfg: DictConfig) -> DraftLM:
                mininterval=5)
     ema = None
     while step < stop:
-        toks, idx, lp, w = batch_at(data, step, t.batch_rows, t.seq_len, cfg.seed)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        sel = w > 0
-        # bf16 matmuls (avx512_bf16: ~3x fp32 here); the loss itself is computed in fp32
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(t.bf16)):
-            logits = model(toks, sel)
-        loss = distill_loss(logits, idx[sel], lp[sel], w[sel])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
+        val = train_step(model, opt, batch_at(data, step, t.batch_rows, t.seq_len, cfg.seed),
+                         lr=lr_at(step, cfg), cfg=cfg)
         step += 1
-        val = float(loss.detach())
         ema = val if ema is None else 0.95 * ema + 0.05 * val
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr_at(step - 1, cfg):.2e}")
@@ -566,7 +547,11 @@ def main() -> None:
 
     @hydra.main(config_path=str(ROOT / "conf"), config_name="train_draft", version_base=None)
     def _run(cfg: DictConfig) -> None:
-        train(cfg)
+        try:
+            train(cfg)
+        except USER_ERRORS as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
 
     _run()
 

@@ -10,7 +10,14 @@ import torch
 from omegaconf import OmegaConf
 
 from real.eval_draft import sync_accepted_lengths
-from real.train_draft import DraftArch, export_hf, init_draft, train
+from real.train_draft import (
+    draft_args,
+    draft_logits,
+    export_hf,
+    init_draft,
+    reference_kernels,
+    train,
+)
 from testbed.paths import repo_path
 from testbed.spec.sampling import SamplingParams, standardize
 from testbed.spec.speculative import speculative_step
@@ -49,11 +56,11 @@ def test_export_matches_training_module_in_our_loader_and_transformers(tmp_path:
     from real.weights import load_model
 
     torch.manual_seed(0)
-    model = init_draft(DraftArch(**TINY_ARCH), None, seed=3).eval()
+    model = init_draft(draft_args(TINY_ARCH), None, seed=3)
     export_hf(model, tmp_path, dtype=torch.float32)
     x = torch.tensor([[1, 504, 2300, 17, 9, 4000, 42, 7, 7, 7]])
-    with torch.no_grad():
-        ref = model(x)
+    with torch.no_grad(), reference_kernels():  # the training forward: cache-free, reference ops
+        ref = draft_logits(model, x)
     ours, _ = load_model(tmp_path, max_seq=32)
     with torch.inference_mode():
         got = ours(x, 0)
