@@ -13,16 +13,14 @@ subtree one way, the verified tokens back). Per iteration:
   verified tokens whose KV the draft never computed are fed with its next forward), expand until
   the tree holds at least bs nodes, and send the most probable subtree of size bs.
 
-d: ``schedule.tree_depth``, or, when 0, as SwiftSpec sets it: with t_target = one verification
-(target forward over bs tokens plus both NVLink messages) and t_draft = one expansion forward,
-both modelled at the middle of a request, r = floor(t_target / t_draft) and d = r or r+1,
-whichever makes the d expansions end closest to the verification (d = floor(r_exact + 1/2)),
-at least 1 and at most 64.
+d: ``testbed.spec.tree_drafter.async_depth`` (``schedule.tree_depth``, or, when 0, as SwiftSpec
+sets it from t_target / t_draft), with t_target = one verification (target forward over bs
+tokens plus both NVLink messages) and t_draft = one expansion forward, both modelled at the
+middle of a request.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Generator
 from typing import Any
 
@@ -33,9 +31,7 @@ from sim.links import Link
 from sim.pipeline import TOKEN_BYTES, topology_for
 from sim.schedules import register
 from sim.tree_tokens import BATCH_BYTES_PER_NODE, TimedTreeDrafter, tree_tokens
-
-MAX_DEPTH = 64
-
+from testbed.spec.tree_drafter import async_depth
 
 def choose_depth(ctx: SimContext, req: SimRequest, to_target: Link, to_draft: Link,
                  ) -> tuple[int, float, float]:
@@ -46,10 +42,7 @@ def choose_depth(ctx: SimContext, req: SimRequest, to_target: Link, to_draft: Li
     t_target = (cost.forward("target", bs, ref) + to_target.transfer_time(BATCH_BYTES_PER_NODE * bs)
                 + to_draft.transfer_time(TOKEN_BYTES * (bs + 1)))
     t_draft = cost.forward("draft", w, ref)
-    if s.tree_depth > 0:
-        return s.tree_depth, t_target, t_draft
-    ratio = t_target / t_draft if t_draft > 0 else float(MAX_DEPTH)
-    return min(MAX_DEPTH, max(1, math.floor(ratio + 0.5))), t_target, t_draft
+    return async_depth(tree_depth=s.tree_depth, t_target=t_target, t_draft=t_draft), t_target, t_draft
 
 
 @register("async")
