@@ -27,7 +27,14 @@ from real.context import RealContext
 from real.errors import RealSetupError
 from real.links import Kind, Message
 from real.runners import TargetRunner
-from real.schedules.async_tree import Peer, Side, draft_worker, probe_draft, probe_target, target_worker
+from real.schedules.async_tree import (
+    Peer,
+    Side,
+    draft_worker,
+    probe_draft,
+    probe_target,
+    target_worker,
+)
 from real.tree_tokens import LocalModel
 from testbed.config import ExperimentConfig
 from testbed.recorder import RunRecorder, RunResult

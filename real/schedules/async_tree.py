@@ -223,10 +223,12 @@ def target_worker(side: Side, req: RealRequest, eos: frozenset[int],
     return out
 
 
-def draft_worker(side: Side, req: RealRequest, depth: int, *, width: int, budget: int) -> None:
+def draft_worker(side: Side, req: RealRequest, depth: int, *, width: int, budget: int,
+                 ) -> TreeDrafter:
     """SwiftSpec Algorithm 1, draft side, for one request: grow the tree, send the best subtree
     of ``budget`` nodes, grow ``depth`` more times while the target verifies, re-root on the
-    verified tokens; until the target says the request is done."""
+    verified tokens; until the target says the request is done. Returns the drafter as it
+    ended (its tree and KV cache, for tests)."""
     rid, rec, now = req.request_id, side.rec, side.now
     ids = list(req.prompt_ids)
     t0 = now()
@@ -267,7 +269,7 @@ def draft_worker(side: Side, req: RealRequest, depth: int, *, width: int, budget
             raise StaleTree(f"draft expected the verified tokens of request {rid} round {r}, got "
                             f"kind {msg.kind} request {msg.request_id} version {msg.version}")
         if msg.kind == Kind.STOP:
-            break
+            return drafter
         s0 = now()
         drafter.advance(msg.tensors[0].tolist())  # re-root + KV compaction
         if len(ids) != msg.committed:

@@ -33,6 +33,7 @@ from sim.schedules import register
 from sim.tree_tokens import BATCH_BYTES_PER_NODE, TimedTreeDrafter, tree_tokens
 from testbed.spec.tree_drafter import async_depth
 
+
 def choose_depth(ctx: SimContext, req: SimRequest, to_target: Link, to_draft: Link,
                  ) -> tuple[int, float, float]:
     """(d, t_target, t_draft) — see the module docstring."""
