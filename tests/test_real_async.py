@@ -273,6 +273,40 @@ def test_draft_cache_after_async_reroots_equals_a_recomputation(walks, depth, wi
     assert [m.version for m in peer.sent] == list(range(len(walks) + 1))
 
 
+class Replay:
+    """A peer that hands out the given messages and keeps what it is sent."""
+
+    def __init__(self, msgs: list[Message]) -> None:
+        self.msgs, self.sent = list(msgs), []
+
+    def send(self, msg: Message) -> None:
+        self.sent.append(msg)
+
+    def recv(self) -> Message:
+        return self.msgs.pop(0)
+
+
+def test_the_target_refuses_a_subtree_rooted_on_a_stale_root() -> None:
+    """A subtree whose version or root is not the round the target is in is never verified."""
+    from real.schedules.async_tree import StaleTree, pack_batch
+    from testbed.spec.tree import DraftTree
+
+    prompt = [3, 14, 15, 92]
+    tree = DraftTree(root_token=prompt[-1], prefix_len=len(prompt) - 1)
+    batch = tree.select_subtree(1)
+    good = Message(Kind.TREE, request_id=0, round=0, version=0, committed=len(prompt),
+                   tensors=pack_batch(batch, 0.0, 0.0))
+    # round 1 expects version 1 rooted after len(prompt) + 1 tokens: an old subtree, or a new
+    # version built on the old root, is stale
+    for stale in ({"version": 0, "committed": len(prompt) + 1}, {"version": 1, "committed": len(prompt)}):
+        model = _model(0)
+        peer = Replay([good, Message(**{**good.__dict__, "round": 1, **stale})])
+        side = Side(model, LocalModel(model), SamplingParams(), peer, RunRecorder(), time.perf_counter, 0)  # type: ignore[arg-type]
+        with torch.inference_mode(), pytest.raises(StaleTree, match="round 1"):
+            target_worker(side, RealRequest(0, "p", prompt, 8), frozenset())
+        assert len(peer.sent) == 1 and peer.sent[0].kind == Kind.VERIFIED  # round 0 only
+
+
 def _model(seed: int) -> Transformer:
     model = tiny(seed)
     model.setup_cache(256)
