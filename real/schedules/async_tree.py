@@ -42,9 +42,11 @@ from typing import Any
 
 import torch
 
-from real.context import RealRequest, finish
+from real.context import RealContext, RealRequest, finish
+from real.errors import RealSetupError
 from real.links import Kind, Message, Transport
 from real.runners import prefill
+from real.schedules import register
 from real.tree_tokens import DraftTreeTokens, ForwardModel, TargetTreeTokens
 from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams
@@ -282,3 +284,12 @@ def draft_worker(side: Side, req: RealRequest, depth: int, *, width: int, budget
             if dt is None:
                 break
             draft_s += dt
+
+
+@register("async")
+def serve_async(ctx: RealContext, req: RealRequest) -> None:
+    """The registry's entry: `async` never serves a request in one process; ``real.engine.run``
+    starts the two groups' workers (real/async_run.py) for the async layout."""
+    del ctx, req
+    raise RealSetupError("schedule=async runs on two device groups (real/async_run.py): start it "
+                         "with real.engine.run, not as a one-process schedule")
