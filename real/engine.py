@@ -98,6 +98,10 @@ def run(exp: ExperimentConfig) -> RunResult:
     from testbed.placement import make_placement
 
     placement = make_placement(exp)
+    if placement.layout == "async":  # two groups, each rank runs its group's half: real/async_run.py
+        from real.async_run import run_async
+
+        return run_async(exp)
     if placement.world_size > 1:
         return _run_spawned(exp)
     with _threads(exp.real.threads), torch.inference_mode():

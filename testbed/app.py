@@ -53,6 +53,8 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     t.add_row(fmt(summary["tokens_per_s"], 1), fmt(summary["tpot_ms"], 2), fmt(summary["speedup"], 3),
               fmt(summary["alpha"], 3), fmt(summary["mean_accepted_len"], 3), fmt(summary["prefill_s"], 4))
     Console(width=120).print(t)
+    if summary.get("tree_shape"):  # trees: tokens per verification is the acceptance figure
+        print(f"tree {summary['tree_shape']}: {summary['mean_accepted_len']:.3f} tokens per verification")
     print(f"run directory: {run_dir}")
 
 

@@ -10,6 +10,7 @@
   verifications, before the output-length cap truncates the last round; 1.0 for `ar`.
 - compression_ratio: mean_accepted_len − 1 (SwiftSpec's accepted guesses per verification).
 - draft_efficiency: mean_accepted_len / (γ + 1).
+- tree_shape: for token trees "w=… bs=… d=…" (``tree_shape``), beside tokens per verification.
 """
 
 from __future__ import annotations
@@ -24,7 +25,18 @@ from testbed.schedules import schedule_impl
 
 KEY_FIELDS = ("backend", "schedule", "pair", "hardware", "target_gpus", "draft_gpus", "nodes",
               "gamma", "workload", "temperature", "seed")
-HEADLINE = ("tokens_per_s", "tpot_ms", "speedup", "alpha", "mean_accepted_len", "prefill_s")
+# for token trees mean_accepted_len (tokens per verification) is the acceptance figure to read:
+# alpha counts a tree's rejected siblings too, so a tree's alpha says little next to a chain's
+HEADLINE = ("tokens_per_s", "tpot_ms", "speedup", "alpha", "mean_accepted_len", "tree_shape",
+            "prefill_s")
+
+
+def tree_shape(summary: dict[str, Any]) -> str | None:
+    """"w=8 bs=16 d=4" for a token-tree run (the width, budget and depth it used), else None."""
+    w, bs, d = (summary.get(k) for k in ("tree_width", "tree_budget", "tree_depth_used"))
+    if w is None or bs is None:
+        return None
+    return f"w={w} bs={bs}" + (f" d={d}" if d is not None else "")
 
 
 def experiment_key(exp: ExperimentConfig) -> dict[str, Any]:

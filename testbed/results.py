@@ -20,7 +20,7 @@ import pandas as pd
 import yaml
 
 from testbed.config import ExperimentConfig, as_dict
-from testbed.metrics import experiment_key, summarize
+from testbed.metrics import experiment_key, summarize, tree_shape
 from testbed.recorder import RunResult
 
 SUMMARY = "summary.json"
@@ -62,6 +62,7 @@ def build_summary(exp: ExperimentConfig, result: RunResult) -> dict[str, Any]:
     summary = experiment_key(exp)
     summary.update(summarize(rounds, requests, exp.schedule.gamma, base))
     summary.update(result.extra)
+    summary["tree_shape"] = tree_shape(summary)
     return summary
 
 

@@ -1,6 +1,8 @@
 """`async`: SwiftSpec's parallel tree generation (seed 002 §3.1–3.2, Algorithm 1).
 
-Two GPU groups of one node, each a SimPy process on its own resource: the draft group
+The mirror of real/schedules/async_tree.py: the same two module-level worker functions
+(``draft_worker``, ``target_worker``) over the same testbed tree drafter and verification; here
+they are SimPy processes with modelled time. Two GPU groups of one node, each a SimPy process on its own resource: the draft group
 (``placement.draft_gpus`` GPUs, tensor parallel) owns the token tree; the target group
 (``placement.target_gpus`` GPUs) verifies. They talk over NVLink (sim.links: the selected
 subtree one way, the verified tokens back). Per iteration:
@@ -13,17 +15,16 @@ subtree one way, the verified tokens back). Per iteration:
   verified tokens whose KV the draft never computed are fed with its next forward), expand until
   the tree holds at least bs nodes, and send the most probable subtree of size bs.
 
-d: ``schedule.tree_depth``, or, when 0, as SwiftSpec sets it: with t_target = one verification
-(target forward over bs tokens plus both NVLink messages) and t_draft = one expansion forward,
-both modelled at the middle of a request, r = floor(t_target / t_draft) and d = r or r+1,
-whichever makes the d expansions end closest to the verification (d = floor(r_exact + 1/2)),
-at least 1 and at most 64.
+d: ``testbed.spec.tree_drafter.async_depth`` (``schedule.tree_depth``, or, when 0, as SwiftSpec
+sets it from t_target / t_draft), with t_target = one verification (target forward over bs
+tokens plus both NVLink messages) and t_draft = one expansion forward, both modelled at the
+middle of a request.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any
 
 import simpy
@@ -33,8 +34,7 @@ from sim.links import Link
 from sim.pipeline import TOKEN_BYTES, topology_for
 from sim.schedules import register
 from sim.tree_tokens import BATCH_BYTES_PER_NODE, TimedTreeDrafter, tree_tokens
-
-MAX_DEPTH = 64
+from testbed.spec.tree_drafter import async_depth
 
 
 def choose_depth(ctx: SimContext, req: SimRequest, to_target: Link, to_draft: Link,
@@ -46,10 +46,118 @@ def choose_depth(ctx: SimContext, req: SimRequest, to_target: Link, to_draft: Li
     t_target = (cost.forward("target", bs, ref) + to_target.transfer_time(BATCH_BYTES_PER_NODE * bs)
                 + to_draft.transfer_time(TOKEN_BYTES * (bs + 1)))
     t_draft = cost.forward("draft", w, ref)
-    if s.tree_depth > 0:
-        return s.tree_depth, t_target, t_draft
-    ratio = t_target / t_draft if t_draft > 0 else float(MAX_DEPTH)
-    return min(MAX_DEPTH, max(1, math.floor(ratio + 0.5))), t_target, t_draft
+    return async_depth(tree_depth=s.tree_depth, t_target=t_target, t_draft=t_draft), t_target, t_draft
+
+
+class Peer:
+    """The other group as one side sees it: what this side sends crosses the link (modelled
+    transfer time) into the peer's inbox; ``recv`` is the event of this side's next message."""
+
+    def __init__(self, env: simpy.Environment, link: Link, inbox: simpy.Store,
+                 peer_inbox: simpy.Store) -> None:
+        self.env, self.link, self.inbox, self.peer_inbox = env, link, inbox, peer_inbox
+
+    def send(self, nbytes: int, item: Any, request_id: int, r: int) -> None:
+        self.env.process(self._deliver(nbytes, item, request_id, r))
+
+    def _deliver(self, nbytes: int, item: Any, request_id: int, r: int) -> Generator[Any, Any, None]:
+        yield from self.link.send(nbytes, request_id, r)
+        self.peer_inbox.put(item)
+
+    def recv(self) -> simpy.events.Event:
+        return self.inbox.get()
+
+
+@dataclass
+class Side:
+    """One group's half of the schedule: the clock, its cost model, its device group (a SimPy
+    resource), its view of the peer group, the recorder."""
+
+    env: simpy.Environment
+    cost: Any  # sim.cost.CostModel
+    group: simpy.Resource
+    peer: Peer
+    rec: Any  # testbed.recorder.RunRecorder
+
+    def now(self) -> float:
+        return self.env.now
+
+
+def target_worker(side: Side, req: SimRequest, toks: Any, start: float, out: list[int],
+                  finished: dict[str, float]) -> Generator[Any, Any, None]:
+    """SwiftSpec Algorithm 1, target side, for one request: verify each subtree the draft
+    sends, send back the emitted tokens; records the rounds."""
+    env, rec, rid, n_max = side.env, side.rec, req.request_id, req.max_new_tokens
+    seq_len, generated, r, t_prev = req.prompt_len, 0, 0, start
+    while True:
+        batch, keys, draft_s = yield side.peer.recv()
+        with side.group.request() as hold:
+            yield hold
+            s0 = env.now
+            dt = side.cost.forward("target", len(batch), seq_len - 1)
+            yield env.timeout(dt)
+        rec.span("target", "verify", s0, env.now, rid, r)
+        res = toks.verify(batch, keys)
+        emitted = min(len(res.tokens), n_max - generated)
+        out.extend(res.tokens[:emitted])
+        generated += emitted
+        seq_len += len(res.tokens)
+        rec.round(request_id=rid, round_idx=r, start_s=t_prev, end_s=env.now,
+                  drafted=len(batch) - 1, checked=res.checked, accepted=res.accepted,
+                  emitted=emitted, verified_tokens=len(batch), draft_s=draft_s, target_s=dt)
+        t_prev = env.now
+        done = generated >= n_max
+        side.peer.send(TOKEN_BYTES * (len(res.tokens) + 1), (res.tokens, done), rid, r)
+        r += 1
+        if done:
+            finished.update(end=env.now, rounds=r)
+            return
+
+
+def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: int,
+                 ) -> Generator[Any, Any, None]:
+    """SwiftSpec Algorithm 1, draft side, for one request: grow the tree, send the best subtree
+    of ``budget`` nodes, grow ``depth`` more times while the target verifies, re-root on the
+    verified tokens; until the target says the request is done."""
+    env, rec, rid = side.env, side.rec, req.request_id
+    tree = drafter.tree
+
+    def expand(r: int) -> Generator[Any, Any, float | None]:
+        dt = drafter.expand()
+        if dt is None:
+            return None
+        with side.group.request() as hold:
+            yield hold
+            s0 = env.now
+            yield env.timeout(dt)
+        rec.span("draft", "expand", s0, env.now, rid, r)
+        return dt
+
+    r, draft_s = 0, 0.0
+    while len(tree) < drafter.budget:
+        dt = yield from expand(r)
+        if dt is None:
+            break
+        draft_s += dt
+    while True:
+        batch, keys = drafter.select()
+        side.peer.send(BATCH_BYTES_PER_NODE * len(batch), (batch, keys, draft_s), rid, r)
+        draft_s = 0.0
+        for _ in range(depth):  # grow while the target verifies
+            dt = yield from expand(r + 1)
+            if dt is None:
+                break
+            draft_s += dt
+        tokens, done = yield side.peer.recv()
+        if done:
+            return
+        drafter.advance(tokens)  # re-root + KV compaction
+        r += 1
+        while len(tree) < drafter.budget:
+            dt = yield from expand(r)
+            if dt is None:
+                break
+            draft_s += dt
 
 
 @register("async")
@@ -63,8 +171,7 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         ctx.state["async_depth"] = choose_depth(ctx, req, to_target, to_draft)
     depth, t_target, t_draft = ctx.state["async_depth"]
     drafter = TimedTreeDrafter(ctx, tree_tokens(ctx, req))
-    tree, toks = drafter.tree, drafter.toks
-    rid, n_max = req.request_id, req.max_new_tokens
+    rid = req.request_id
 
     # prefill on both groups at once
     t0 = env.now
@@ -75,81 +182,12 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     prefill_s = env.now - t0
     start = env.now
     target_inbox, draft_inbox = simpy.Store(env), simpy.Store(env)
+    target_side = Side(env, cost, groups["target"], Peer(env, to_draft, target_inbox, draft_inbox), rec)
+    draft_side = Side(env, cost, groups["draft"], Peer(env, to_target, draft_inbox, target_inbox), rec)
     out: list[int] = []
     finished: dict[str, float] = {}
-
-    def deliver(link: Link, nbytes: int, inbox: simpy.Store, item: Any, r: int,
-                ) -> Generator[Any, Any, None]:
-        yield from link.send(nbytes, rid, r)
-        inbox.put(item)
-
-    def target_worker() -> Generator[Any, Any, None]:
-        seq_len, generated, r, t_prev = req.prompt_len, 0, 0, start
-        while True:
-            batch, keys, draft_s = yield target_inbox.get()
-            with groups["target"].request() as hold:
-                yield hold
-                s0 = env.now
-                dt = cost.forward("target", len(batch), seq_len - 1)
-                yield env.timeout(dt)
-            rec.span("target", "verify", s0, env.now, rid, r)
-            res = toks.verify(batch, keys)
-            emitted = min(len(res.tokens), n_max - generated)
-            out.extend(res.tokens[:emitted])
-            generated += emitted
-            seq_len += len(res.tokens)
-            rec.round(request_id=rid, round_idx=r, start_s=t_prev, end_s=env.now,
-                      drafted=len(batch) - 1, checked=res.checked, accepted=res.accepted,
-                      emitted=emitted, verified_tokens=len(batch), draft_s=draft_s, target_s=dt)
-            t_prev = env.now
-            done = generated >= n_max
-            env.process(deliver(to_draft, TOKEN_BYTES * (len(res.tokens) + 1), draft_inbox,
-                                (res.tokens, done), r))
-            r += 1
-            if done:
-                finished.update(end=env.now, rounds=r)
-                return
-
-    target = env.process(target_worker())
-
-    def expand(r: int) -> Generator[Any, Any, float | None]:
-        dt = drafter.expand()
-        if dt is None:
-            return None
-        with groups["draft"].request() as hold:
-            yield hold
-            s0 = env.now
-            yield env.timeout(dt)
-        rec.span("draft", "expand", s0, env.now, rid, r)
-        return dt
-
-    # the draft worker: SwiftSpec Algorithm 1, draft side
-    r, draft_s = 0, 0.0
-    while len(tree) < drafter.budget:
-        dt = yield from expand(r)
-        if dt is None:
-            break
-        draft_s += dt
-    while True:
-        batch, keys = drafter.select()
-        env.process(deliver(to_target, BATCH_BYTES_PER_NODE * len(batch), target_inbox,
-                            (batch, keys, draft_s), r))
-        draft_s = 0.0
-        for _ in range(depth):  # grow while the target verifies
-            dt = yield from expand(r + 1)
-            if dt is None:
-                break
-            draft_s += dt
-        tokens, done = yield draft_inbox.get()
-        if done:
-            break
-        drafter.advance(tokens)
-        r += 1
-        while len(tree) < drafter.budget:
-            dt = yield from expand(r)
-            if dt is None:
-                break
-            draft_s += dt
+    target = env.process(target_worker(target_side, req, drafter.toks, start, out, finished))
+    yield from draft_worker(draft_side, req, drafter, depth)
     yield target
     ids = out if ctx.oracle.produces_ids else []
     rec.request(rid, req.prompt_id, req.prompt_len, ids, len(out), prefill_s,

@@ -37,12 +37,17 @@ API
 - ``summary_fields() -> dict``: ``tree_width``, ``tree_budget``, ``tree_kv_reuse`` (share of the
   tree KV slots kept by re-roots, over every drafter sharing ``kv``).
 
+``async_depth(tree_depth=, t_target=, t_draft=) -> int`` — how many expansions the draft of
+``schedule=async`` runs while the target verifies (SwiftSpec §3.2); both backends call it, the
+simulator with modelled times, the real backend with times measured on its own devices.
+
 ``TreeKvStats`` — ``kept`` / ``freed`` tree KV slots; pass one instance to every drafter of a run
 to get the run's reuse ratio.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -89,6 +94,21 @@ class Expansion:
     @property
     def n_inputs(self) -> int:
         return len(self.leaves) + self.recompute
+
+
+MAX_ASYNC_DEPTH = 64
+
+
+def async_depth(*, tree_depth: int, t_target: float, t_draft: float) -> int:
+    """``schedule.tree_depth`` when set; when 0, as SwiftSpec sets d: with t_target = one
+    verification (target forward over bs tokens plus both link messages) and t_draft = one
+    expansion forward, r = floor(t_target / t_draft) and d = r or r+1, whichever makes the d
+    expansions end closest to the verification (d = floor(t_target / t_draft + 1/2)), at
+    least 1 and at most ``MAX_ASYNC_DEPTH``."""
+    if tree_depth > 0:
+        return tree_depth
+    ratio = t_target / t_draft if t_draft > 0 else float(MAX_ASYNC_DEPTH)
+    return min(MAX_ASYNC_DEPTH, max(1, math.floor(ratio + 0.5)))
 
 
 @dataclass

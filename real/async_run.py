@@ -1,0 +1,163 @@
+"""A real `schedule=async` run: two disjoint device groups, one worker process per device.
+
+``run_async(exp)`` launches ``async_rank`` on every rank of the ``async`` placement
+(testbed.placement: a ``target`` group and a ``draft`` group, TP inside each, the bridge
+between their leaders). Each rank loads its group's model, shards it over its group
+(real.tp), and serves the prompts with its half of the schedule
+(real/schedules/async_tree.py: ``target_worker`` or ``draft_worker``).
+
+``speedup`` needs ``ar`` on the target's devices: after the async requests the target group
+runs ``ar`` SPMD on its own devices, alone (the draft group waits on the bridge, one message
+per baseline request so no receive times out).
+
+Records: the target leader records rounds and requests; both leaders record spans (draft
+expand / re-root, target verify, the bridge's link spans) on the run clock shared by all
+workers; ``real.runtime.merge_records`` makes them one run (timeline.parquet).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from real.context import RealContext
+from real.errors import RealSetupError
+from real.links import Kind, Message
+from real.runners import TargetRunner
+from real.schedules.async_tree import (
+    Peer,
+    Side,
+    draft_worker,
+    probe_draft,
+    probe_target,
+    target_worker,
+)
+from real.tree_tokens import LocalModel
+from testbed.config import ExperimentConfig
+from testbed.recorder import RunRecorder, RunResult
+from testbed.spec.sampling import SamplingParams
+
+
+@dataclass
+class AsyncServed:
+    """What one rank of an async run sends back."""
+
+    role: str
+    outputs: list[list[int]]
+    baseline: RunRecorder | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def check_draft(exp: ExperimentConfig) -> None:
+    d = exp.pair.draft
+    if d.kind != "transformer":
+        raise RealSetupError(f"pair.draft={d.name!r} ({d.kind}) cannot grow a token tree on a device "
+                             "group of its own: schedule=async needs a draft model (e.g. "
+                             "pair=smollm2_135m+smollm2_draft); use schedule=sync for this draft")
+
+
+def _load(exp: ExperimentConfig, role: str, params: SamplingParams):  # type: ignore[no-untyped-def]
+    """(this group's model, the requests, EOS ids): both groups tokenize the prompts alike."""
+    from real.drafts import ModelDraft
+    from real.engine import cache_slots
+    from real.loading import build_requests, load, make_draft
+
+    t = exp.pair.target
+    target, tokenizer = load(t.path, "pair.target", t.name, exp.real.dtype)
+    requests = build_requests(exp, tokenizer, target.args.max_seq_len)
+    eos = frozenset() if exp.real.ignore_eos else frozenset(tokenizer.eos_token_ids)
+    target_slots, draft_slots = cache_slots(exp, requests)
+    if role == "target":
+        model, slots = target, target_slots
+    else:
+        draft = make_draft(exp, target, tokenizer, params)
+        assert isinstance(draft, ModelDraft)  # check_draft ran in the launcher
+        model, slots = draft.model, draft_slots
+    if model.max_seq < slots:
+        model.setup_cache(slots)
+    return model, requests, eos
+
+
+def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real.worker.WorkerContext
+    """One rank of an async run (module level: spawned workers import it)."""
+    from real.tp import apply_tp
+
+    exp, role = ctx.exp, ctx.role
+    s = exp.schedule
+    params = SamplingParams(exp.sampling.temperature, exp.sampling.top_k, exp.sampling.top_p)
+    other = "draft" if role == "target" else "target"
+    peer = Peer(ctx.transport_from(other) if ctx.is_leader else None,
+                ctx.transport_to(other) if ctx.is_leader else None, ctx.broadcast_decision)
+    with torch.inference_mode():
+        model, requests, eos = _load(exp, role, params)
+        if ctx.group.tp > 1:
+            apply_tp(model, rank=ctx.info.index, world=ctx.group.tp, group=ctx.tp_group(),
+                     allreduce=exp.real.allreduce)
+        rec = ctx.rec if ctx.is_leader else RunRecorder()
+        side = Side(model, LocalModel(model), params, peer, rec, ctx.now, exp.seed)
+        served = AsyncServed(role, [])
+        if role == "target":
+            probe_target(side, exp, requests[0])
+            for req in requests:
+                served.outputs.append(target_worker(side, req, eos))
+            served.baseline = _baseline(exp, model, params, requests, eos, peer)
+        else:
+            depth, t_target, t_draft = probe_draft(side, exp, requests[0])
+            for req in requests:
+                draft_worker(side, req, depth, width=s.tree_width, budget=s.tree_budget)
+            _idle_during_baseline(exp, requests, peer)
+            served.extra = {"tree_depth_used": depth, "t_target_ms": 1e3 * t_target,
+                            "t_draft_ms": 1e3 * t_draft, "tree_width": s.tree_width,
+                            "tree_budget": s.tree_budget, "tree_kv_reuse": side.kv.reuse}
+        served.extra.update({f"async_{k}_s": v for k, v in side.overhead.items()})
+    if not ctx.is_leader:
+        ctx.rec = RunRecorder()
+    return served
+
+
+def _baseline(exp: ExperimentConfig, model, params: SamplingParams, requests, eos,  # type: ignore[no-untyped-def]
+              peer: Peer) -> RunRecorder | None:
+    """`ar` on the target group alone; a message to the draft after each request."""
+    from real.schedules import get_schedule
+
+    if not exp.real.baseline:
+        return None
+    serve_ar = get_schedule("ar")
+    ctx = RealContext(exp, TargetRunner(model, params), None, RunRecorder(), eos, params,
+                      lambda n: None, time.perf_counter())
+    for req in requests:
+        serve_ar(ctx, req)
+        peer.send(Message(Kind.DATA, request_id=req.request_id))
+    return ctx.rec
+
+
+def _idle_during_baseline(exp: ExperimentConfig, requests, peer: Peer) -> None:  # type: ignore[no-untyped-def]
+    if exp.real.baseline:
+        for _ in requests:
+            peer.recv()
+
+
+def run_async(exp: ExperimentConfig) -> RunResult:
+    from real.runtime import launch, merge_records
+
+    check_draft(exp)
+    results = launch(exp, async_rank)
+    if not results:  # torchrun: not rank 0
+        return RunResult(recorder=RunRecorder(), baseline=None, extra={"writer": False})
+    target = [r for r in results if r.role == "target"]
+    leader = min(target, key=lambda r: r.rank)
+    for other in target:
+        if other.value.outputs != leader.value.outputs:
+            raise RealSetupError(
+                f"rank {other.rank} (target) generated other tokens than rank {leader.rank}: the "
+                "ranks of the target group diverged (non-deterministic all-reduce?); rerun with "
+                "real.allreduce=gloo")
+    draft = min((r for r in results if r.role == "draft"), key=lambda r: r.rank)
+    extra = {"draft": exp.pair.draft.name, "dtype": exp.real.dtype, "threads": 1,
+             "workload_split": exp.workload.split, "max_new_tokens": exp.workload.max_new_tokens,
+             "processes": len(results), "allreduce": exp.real.allreduce,
+             **draft.value.extra, **leader.value.extra}
+    return RunResult(recorder=merge_records(results), baseline=leader.value.baseline, extra=extra)

@@ -1,0 +1,295 @@
+"""`async` on real models: SwiftSpec's parallel tree generation (seed 002 §3.1–3.2, Algorithm 1).
+
+The mirror of sim/schedules/async_tree.py: the same two worker functions (``draft_worker``,
+``target_worker``) over testbed's ``TreeDrafter`` and ``verify_tree``; here they run in the
+processes of two disjoint device groups on the wall clock instead of as SimPy processes.
+Per iteration:
+
+- target: take the subtree (bs nodes), one tree-masked forward over it, verify it (greedy path
+  match at temperature 0, the lossless multi-candidate rule otherwise), send the emitted tokens
+  back; stop once max_new_tokens (or EOS) are out.
+- draft, meanwhile: expand the tree d times (w most probable leaves per forward); then take the
+  verified tokens, re-root (``TreeDrafter.advance``: the surviving subtree's KV slots are kept
+  by compaction, verified tokens the draft never computed are fed with its next forward), expand
+  until the tree holds at least bs nodes, and send the most probable subtree of size bs.
+
+As in the simulator exactly one subtree is in flight: the draft sends round r+1's subtree only
+after it re-rooted on round r's verified tokens. Every message carries its round as ``version``
+and the committed sequence length the tree was rooted on (``committed``); the target refuses a
+subtree whose version or root is not the one it expects (``StaleTree``) instead of verifying it
+as if it were current.
+
+Groups. Only the leaders talk over the bridge; every rank of a group runs the same code on its
+tensor-parallel shard (SPMD), and a leader hands each message it receives to its followers (one
+``WorkerContext.broadcast_decision`` per message: ``Peer``) so the group stays in lockstep.
+
+d: ``testbed.spec.tree_drafter.async_depth`` — ``schedule.tree_depth``, or, when 0, from t_target
+(a target forward over bs tokens plus both messages) and t_draft (a draft forward over w
+leaves), measured at the start of the run on the run's own devices at the middle of the first
+request (``probe_times``) — the simulator models the same two times from its cost model.
+
+Message formats (``real.links.Message``): ``Kind.TREE`` = int32 rows (token, parent, draw index)
+per batch node, float64 (draft seconds since the last subtree, draft prefill end), and at
+temperature > 0 the draft's q at each batch node with children in the batch; ``Kind.VERIFIED``
+(``Kind.STOP`` for a request's last round) = the emitted tokens (int64).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from real.context import RealContext, RealRequest, finish
+from real.errors import RealSetupError
+from real.links import Kind, Message, Transport
+from real.runners import prefill
+from real.schedules import register
+from real.tree_tokens import DraftTreeTokens, ForwardModel, TargetTreeTokens
+from testbed.recorder import RunRecorder
+from testbed.spec.sampling import SamplingParams
+from testbed.spec.tree import TreeBatch
+from testbed.spec.tree_drafter import TreeDrafter, TreeKvStats, async_depth
+
+PROBE_REPEATS = 5  # forwards timed per model for d (median, after one warm-up)
+
+
+class StaleTree(RuntimeError):
+    """A subtree or verified message that does not belong to the round it arrived in."""
+
+
+class Peer:
+    """The other group as one rank sees it: a leader sends and receives over the bridge and
+    hands every message it receives to its followers (``share``) so they stay in lockstep;
+    a follower sends nothing and gets the leader's messages."""
+
+    def __init__(self, inbox: Transport | None, outbox: Transport | None,
+                 share: Callable[[Any], Any]) -> None:
+        self.inbox, self.outbox, self.share = inbox, outbox, share
+
+    def send(self, msg: Message) -> None:
+        if self.outbox is not None:
+            self.outbox.send(msg)
+
+    def recv(self) -> Message:
+        return self.share(self.inbox.recv() if self.inbox is not None else None)
+
+
+@dataclass
+class Side:
+    """One rank's half of the schedule: its group's model (a shard under TP), its view of the
+    peer group, its recorder (the leader's is the run's) and the run clock."""
+
+    model: Any  # real.model.Transformer (prefill)
+    fwd: ForwardModel  # the same model for tree-masked forwards
+    params: SamplingParams
+    peer: Peer
+    rec: RunRecorder
+    now: Callable[[], float]
+    seed: int
+    # seconds of bookkeeping per kind (select + pack, unpack, re-root/compaction)
+    overhead: dict[str, float] = field(default_factory=dict)
+    kv: TreeKvStats = field(default_factory=TreeKvStats)
+
+    def generator(self, request_id: int, salt: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + request_id + salt)
+
+    def charge(self, kind: str, seconds: float) -> None:
+        self.overhead[kind] = self.overhead.get(kind, 0.0) + seconds
+
+
+TARGET_SALT, DRAFT_SALT = 0, 500_000_017  # independent sampling streams of the two groups
+
+
+# ----------------------------------------------------------------------------- messages
+def pack_batch(batch: TreeBatch, draft_s: float, prefill_end: float) -> tuple[torch.Tensor, ...]:
+    rows = torch.tensor([[t, p, d] for t, p, d in zip(batch.tokens, batch.parents, batch.draw_index)],
+                        dtype=torch.int32)
+    times = torch.tensor([draft_s, prefill_end], dtype=torch.float64)
+    if batch.mode == "topk":
+        return rows, times
+    probs = [batch.draft_probs[i] for i, kids in enumerate(batch.children) if kids]
+    return rows, times, torch.stack(probs).float() if probs else torch.zeros(0, 1)
+
+
+def unpack_batch(msg: Message, mode: str) -> tuple[TreeBatch, float, float]:
+    """(the batch with node ids = batch indices, draft seconds, draft prefill end)."""
+    rows, times = msg.tensors[0].tolist(), msg.tensors[1].tolist()
+    tokens, parents, draws = ([r[i] for r in rows] for i in range(3))
+    depths, children = [0] * len(rows), [[] for _ in rows]
+    for i in range(1, len(rows)):  # parents come before children
+        depths[i] = depths[parents[i]] + 1
+        children[parents[i]].append(i)
+    for kids in children:
+        kids.sort(key=lambda c: draws[c])
+    probs: list[torch.Tensor | None] = [None] * len(rows)
+    if mode == "sample":
+        with_kids = [i for i, kids in enumerate(children) if kids]
+        for i, q in zip(with_kids, msg.tensors[2]):
+            probs[i] = q
+    batch = TreeBatch(node_ids=list(range(len(rows))), tokens=tokens, parents=parents, depths=depths,
+                      children=children, draw_index=draws, draft_probs=probs, mode=mode,  # type: ignore[arg-type]
+                      prefix_len=msg.committed - 1)
+    return batch, times[0], times[1]
+
+
+# --------------------------------------------------------------------------- choose d
+def _time_forward(side: Side, n: int, context: int) -> float:
+    """Median seconds of a forward over ``n`` tokens after ``context`` cache entries (the
+    entries' values do not matter for the time; the request's prefill overwrites them)."""
+    pos = torch.arange(context, context + n)
+    mask = torch.ones(n, context + n, dtype=torch.bool)
+    side.fwd.logits([0] * n, input_pos=pos, mask=mask, position_ids=pos)  # warm-up
+    times = []
+    for _ in range(PROBE_REPEATS):
+        t = side.now()
+        side.fwd.logits([0] * n, input_pos=pos, mask=mask, position_ids=pos)
+        times.append(side.now() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def probe_target(side: Side, exp: Any, req: RealRequest) -> None:
+    """Target group: time one verification forward at the middle of ``req``, tell the draft."""
+    ref = len(req.prompt_ids) + req.max_new_tokens // 2
+    side.peer.recv()  # the draft group is loaded: time both forwards at once, as they will run
+    t = _time_forward(side, exp.schedule.tree_budget, ref)
+    side.peer.send(Message(Kind.DATA, request_id=req.request_id,
+                           tensors=(torch.tensor([t], dtype=torch.float64),)))
+    side.peer.recv()  # the draft's answer: the link's one-way time and d, for the summary
+
+
+def probe_draft(side: Side, exp: Any, req: RealRequest) -> tuple[int, float, float]:
+    """Draft group: (d, t_target, t_draft) from the target's measured forward, the message's
+    one-way time (both messages of a round) and an expansion forward timed here."""
+    s = exp.schedule
+    ref = len(req.prompt_ids) + req.max_new_tokens // 2
+    side.peer.send(Message(Kind.DATA, request_id=req.request_id))  # loaded
+    t_draft = _time_forward(side, s.tree_width, ref)
+    msg = side.peer.recv()
+    one_way = side.peer.share(max(0.0, side.now() - msg.sent_s))  # the leader's reading for everyone
+    t_target = float(msg.tensors[0][0]) + 2 * one_way
+    depth = async_depth(tree_depth=s.tree_depth, t_target=t_target, t_draft=t_draft)
+    side.peer.send(Message(Kind.DATA, request_id=req.request_id, version=depth,
+                           tensors=(torch.tensor([t_target, t_draft], dtype=torch.float64),)))
+    return depth, t_target, t_draft
+
+
+# ------------------------------------------------------------------------------ workers
+def target_worker(side: Side, req: RealRequest, eos: frozenset[int],
+                  on_tokens: Callable[[int], None] = lambda n: None) -> list[int]:
+    """SwiftSpec Algorithm 1, target side, for one request: verify each subtree the draft
+    sends, send back the emitted tokens; records the rounds and the request."""
+    rid, rec, now = req.request_id, side.rec, side.now
+    ids = list(req.prompt_ids)
+    t0 = now()
+    prefill(side.model, ids[:-1])
+    rec.span("target", "prefill", t0, now(), rid)
+    verifier = TargetTreeTokens(side.fwd, side.params, side.generator(rid, TARGET_SALT))
+    mode = "topk" if side.params.greedy else "sample"
+    out: list[int] = []
+    r, start, t_prev = 0, None, now()
+    while True:
+        msg = side.peer.recv()
+        u = now()
+        if msg.kind != Kind.TREE or msg.request_id != rid or msg.version != r or msg.committed != len(ids):
+            raise StaleTree(f"target expected the subtree of request {rid} round {r} rooted after "
+                            f"{len(ids)} tokens, got kind {msg.kind} request {msg.request_id} "
+                            f"version {msg.version} rooted after {msg.committed}")
+        batch, draft_s, draft_prefill_end = unpack_batch(msg, mode)
+        if start is None:  # decoding starts once both groups have prefilled
+            start = max(t_prev, draft_prefill_end)
+            t_prev = start
+        s0 = now()
+        side.charge("unpack", s0 - u)
+        res = verifier.verify(batch)
+        e = now()
+        before = len(out)
+        out, done = finish(out, res.tokens, req.max_new_tokens, eos)
+        ids.extend(res.tokens)
+        side.peer.send(Message(Kind.STOP if done else Kind.VERIFIED, request_id=rid, round=r,
+                               version=r, committed=len(ids),
+                               tensors=(torch.tensor(res.tokens, dtype=torch.int64),)))
+        rec.round(request_id=rid, round_idx=r, start_s=t_prev, end_s=e, drafted=len(batch) - 1,
+                  checked=res.checked, accepted=res.accepted, emitted=len(out) - before,
+                  verified_tokens=len(batch), draft_s=draft_s, target_s=e - s0)
+        rec.span("target", "verify", s0, e, rid, r)
+        on_tokens(len(out) - before)
+        side.charge("send", now() - e)
+        t_prev = now()
+        r += 1
+        if done:
+            break
+    rec.request(rid, req.prompt_id, len(req.prompt_ids), out, len(out), start - t0, now() - start, r)
+    return out
+
+
+def draft_worker(side: Side, req: RealRequest, depth: int, *, width: int, budget: int,
+                 ) -> TreeDrafter:
+    """SwiftSpec Algorithm 1, draft side, for one request: grow the tree, send the best subtree
+    of ``budget`` nodes, grow ``depth`` more times while the target verifies, re-root on the
+    verified tokens; until the target says the request is done. Returns the drafter as it
+    ended (its tree and KV cache, for tests)."""
+    rid, rec, now = req.request_id, side.rec, side.now
+    ids = list(req.prompt_ids)
+    t0 = now()
+    prefill(side.model, ids[:-1])
+    prefill_end = now()
+    rec.span("draft", "prefill", t0, prefill_end, rid)
+    source = DraftTreeTokens(side.fwd, side.params, ids, side.generator(rid, DRAFT_SALT))
+    drafter = TreeDrafter(source, width=width, budget=budget, kv=side.kv)
+    tree = drafter.tree
+
+    def expand(r: int) -> float | None:
+        s0 = now()
+        if drafter.expand() is None:
+            return None
+        rec.span("draft", "expand", s0, now(), rid, r)
+        return now() - s0
+
+    r, draft_s = 0, 0.0
+    while len(tree) < drafter.budget:
+        dt = expand(r)
+        if dt is None:
+            break
+        draft_s += dt
+    while True:
+        s0 = now()
+        batch = drafter.select()
+        side.peer.send(Message(Kind.TREE, request_id=rid, round=r, version=r, committed=len(ids),
+                               tensors=pack_batch(batch, draft_s, prefill_end)))
+        side.charge("select", now() - s0)
+        draft_s = 0.0
+        for _ in range(depth):  # grow while the target verifies
+            dt = expand(r + 1)
+            if dt is None:
+                break
+            draft_s += dt
+        msg = side.peer.recv()
+        if msg.kind not in (Kind.VERIFIED, Kind.STOP) or msg.request_id != rid or msg.version != r:
+            raise StaleTree(f"draft expected the verified tokens of request {rid} round {r}, got "
+                            f"kind {msg.kind} request {msg.request_id} version {msg.version}")
+        if msg.kind == Kind.STOP:
+            return drafter
+        s0 = now()
+        drafter.advance(msg.tensors[0].tolist())  # re-root + KV compaction
+        if len(ids) != msg.committed:
+            raise StaleTree(f"draft re-rooted after {len(ids)} tokens, the target after {msg.committed}")
+        rec.span("draft", "reroot", s0, now(), rid, r)
+        side.charge("reroot", now() - s0)
+        r += 1
+        while len(tree) < drafter.budget:
+            dt = expand(r)
+            if dt is None:
+                break
+            draft_s += dt
+
+
+@register("async")
+def serve_async(ctx: RealContext, req: RealRequest) -> None:
+    """The registry's entry: `async` never serves a request in one process; ``real.engine.run``
+    starts the two groups' workers (real/async_run.py) for the async layout."""
+    del ctx, req
+    raise RealSetupError("schedule=async runs on two device groups (real/async_run.py): start it "
+                         "with real.engine.run, not as a one-process schedule")
