@@ -1,4 +1,4 @@
-"""testbed.sweeper.GridsSweeper: several Cartesian grids in one sweep (`+sweep=validate`)."""
+"""hydra_plugins.specbed_sweeper.GridsSweeper: several Cartesian grids in one sweep (`+sweep=validate`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from testbed.sweeper import GridsSweeper
+from hydra_plugins.specbed_sweeper.grids_sweeper import GridsSweeper
 from tests.conftest import CONF
 
 

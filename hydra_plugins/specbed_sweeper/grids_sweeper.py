@@ -6,9 +6,12 @@ over ``params``). The last key of ``params`` stays the last axis of every grid (
 must run back to back). ``only``: the names of the grids to run (``params`` is "base"), e.g.
 ``hydra.sweeper.only=[tree]``; a grid set to null is left out.
 
+It lives in the ``hydra_plugins`` namespace package because Hydra instantiates sweepers from
+there only (conf/hydra/sweeper/grids.yaml selects it).
+
     hydra:
       sweeper:
-        _target_: testbed.sweeper.GridsSweeper
+        _target_: hydra_plugins.specbed_sweeper.grids_sweeper.GridsSweeper
         params: {a: "1,2", role: "x,y"}
         grids:
           wide: {a: "7", b: "3,4"}        # a=7 x b in 3,4 x role in x,y
