@@ -39,4 +39,4 @@ def test_validate_sweep_has_the_serial_tree_grid_at_tp_1_and_2() -> None:
     assert len(got) == 2 * 2 * 3  # depths x TP x roles
     assert {j[-1] for j in got[:3]} == {"+validate=calibrate", "+validate=measure", "+validate=predict"}
     assert all("schedule.tree=True" in j and "pair=smollm2_135m+smollm2_draft" in j for j in got)
-    assert {next(o for o in j if o.startswith("+tp=")) for j in got} == {"+tp=1", "+tp=2"}
+    assert {next(o for o in j if o.startswith("+tp=")) for j in got} == {"+tp=tp1", "+tp=tp2"}
