@@ -9,6 +9,9 @@ for greedy (temperature 0: argmax) and sampled (softmax + draw over the vocabula
   early-exit layers, prompt lookup, small models whose weights exist): one forward + the pick
   of its guess at k = 1..4 tokens and the same contexts, its prefill, or for prompt lookup the
   whole ``propose`` per context length;
+- forward latency at every TP degree the machine allows (1 and 2 on two cores), chain- and
+  tree-shaped, all-reduce latency against size and the round trip between two pinned workers
+  (real/calibrate_tp.py; ``tp=False`` skips it);
 - messages between two worker processes (torch.distributed gloo on loopback): one-way time
   for a few sizes and its α–β fit (latency + bytes / bandwidth).
 
@@ -43,7 +46,7 @@ from testbed.config import ExperimentConfig, ModelConfig
 from testbed.paths import CONF_DIR, repo_path
 from testbed.paths import profile_path as testbed_profile_path
 
-SCHEMA = 1
+SCHEMA = 2  # 2: per-model "tp" tables, "allreduce", links.gloo_round_trip (real/calibrate_tp.py)
 TEMPERATURES = {"greedy": 0.0, "sample": 1.0}
 
 
@@ -393,8 +396,9 @@ def profile_path(exp: ExperimentConfig) -> Path:
 
 def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | None = None,
               log: Callable[[str], None] = print, messages: bool = True,
-              out_path: Path | None = None) -> Path:
-    """Measure and write the profile; returns its path."""
+              out_path: Path | None = None, tp: bool = True, tp_grid: Any = None) -> Path:
+    """Measure and write the profile; returns its path. ``tp``: also the multi-process tables
+    (real/calibrate_tp.py, ``tp_grid`` a ``TpGrid``; skipped on a machine with one core)."""
     from real.weights import load_model
     from testbed.results import write_json
     from testbed.spec.sampling import SamplingParams
@@ -438,6 +442,11 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
                 f"{lk['bandwidth_gbps'] or float('inf'):.2f} GB/s")
         except Exception as e:  # noqa: BLE001 - the forward tables are still useful
             log(f"messages: skipped ({type(e).__name__}: {e})")
+    tp_part = _measure_tp(exp, models, tp_grid, log) if tp else {}
+    for name, tables in tp_part.get("models", {}).items():
+        models[name].update(tables)
+    if "round_trip" in tp_part:
+        links["gloo_round_trip"] = tp_part["round_trip"]["gloo_loopback"]
     profile = {
         "schema": SCHEMA, "kind": "testbed-latency-profile", "hardware": exp.hardware.name,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -446,6 +455,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
         "repeats": grid.repeats, "load_average": {"before": load_before, "after": load_average()},
         "calibration_s": round(time.perf_counter() - started, 1),
         "models": models, "links": links,
+        **{k: tp_part[k] for k in ("allreduce", "tp_allreduce", "tp_calibration_s") if k in tp_part},
     }
     path = out_path or profile_path(exp)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -455,6 +465,25 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
         shutil.copyfile(path, Path(run_dir) / "profile.json")
     log(f"profile: {path} ({profile['calibration_s']} s)")
     return path
+
+
+def _measure_tp(exp: ExperimentConfig, models: dict[str, Any], grid: Any,
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """The TP tables of the target and every draft model measured above, when the machine has
+    two cores for two pinned workers."""
+    from real.calibrate_tp import measure_tp
+
+    if len(os.sched_getaffinity(0)) < 2:
+        log("tensor-parallel tables: skipped (one core: TP 1 only)")
+        return {}
+    paths = {exp.pair.target.name: exp.pair.target.path}
+    paths.update({d.name: d.path for d in drafts_to_measure(exp)
+                  if d.kind == "transformer" and d.name in models})
+    try:
+        return measure_tp(exp, paths, grid, log=log)
+    except Exception as e:  # noqa: BLE001 - the TP 1 tables are still useful
+        log(f"tensor-parallel tables: skipped ({type(e).__name__}: {e})")
+        return {}
 
 
 def _log_tables(models: dict[str, Any], log: Callable[[str], None]) -> None:

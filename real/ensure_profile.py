@@ -49,8 +49,10 @@ def swept_pairs(config: DictConfig) -> list[str]:
     for o in config.hydra.overrides.get("task", []):
         if str(o).startswith("pair="):
             return str(o).split("=", 1)[1].split(",")
-    value = (config.hydra.sweeper.get("params") or {}).get("pair")
-    return str(value).split(",") if value else []
+    sweeper = config.hydra.sweeper
+    values = [(sweeper.get("params") or {}).get("pair")]
+    values += [(g or {}).get("pair") for g in (sweeper.get("grids") or {}).values()]  # hydra_plugins.specbed_sweeper
+    return list(dict.fromkeys(p for v in values if v for p in str(v).split(",")))
 
 
 def missing_draft_weights(pairs: list[str]) -> list[str]:

@@ -42,6 +42,12 @@ class CostModel(ABC):
                 layers: tuple[int, int] | None = None) -> float:
         """Seconds for one forward of `tokens` tokens over `context` cached tokens."""
 
+    def tree_forward(self, role: Role, tokens: int, context: int) -> float:
+        """Seconds for one tree-masked forward of `tokens` tree nodes over `context` cached
+        slots (a draft expansion, a tree verification). Models that do not tell the shapes
+        apart charge the chain-shaped forward."""
+        return self.forward(role, tokens, context)
+
     def breakdown(self, role: Role, tokens: int, context: int,
                   layers: tuple[int, int] | None = None) -> ForwardCost:
         return ForwardCost(total_s=self.forward(role, tokens, context, layers))

@@ -13,6 +13,18 @@ includes Algorithm 1; under `schedule=ar` it is ``+ pick``, the argmax or draw o
 forwards the schedule asks for. Interpolation is bilinear on the measured grid (exact on grid
 points, monotone between two of them), linear extrapolation beyond it.
 
+Tensor parallelism and input shape (profile schema 2, real/calibrate_tp.py): per model, tables
+measured by pinned single-thread workers at TP 1 and 2 for chain-shaped (k causal tokens) and
+tree-shaped (k tree nodes, tree mask over the cached slots) forwards. A forward at the group's
+TP degree n (testbed.placement: ``placement.target_gpus`` for `single`, both models on
+max(target_gpus, draft_gpus) for the serial tree's `tree` layout, each group its own for `async`)
+and shape s costs ``forward[k, context] · tp[n][s] / tp[1][chain]`` at (k, context): the level
+stays the main table's (and follows ``profile_rescale``), the TP tables say how much a degree
+and a shape change it (both measured side by side, so the machine's drift cancels). The ratio
+is read at (k, context) clamped to the TP grid. An early-exit draft uses the target's ratios,
+an n-gram draft none. Profiles of schema 1 (no TP tables) serve TP 1 (both shapes as chains);
+a run at TP > 1 on one fails with one line asking to recalibrate.
+
 ``sim.profile_rescale=true`` with ``acceptance=trace``: the tables keep their shape in context
 but are scaled to the round times the trace's real runs recorded — per role, and for the target
 per k where enough rounds verified k tokens (on a shared machine the speed, and even the shape
@@ -31,7 +43,9 @@ from sim.cost import CostModel, Role, register
 from testbed.config import ConfigError, ExperimentConfig
 from testbed.paths import profile_path
 
-SCHEMA = 1
+SCHEMA = 2
+SCHEMAS = (1, 2)  # 1: no TP tables (TP 1 only)
+SHAPES = ("chain", "tree")
 CALIBRATE_CMD = "python -m testbed backend=real +calibrate"
 MIN_ROUNDS = 5  # rescale: rounds of one k needed for a k of its own
 
@@ -93,11 +107,39 @@ def load_profile(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise ConfigError("sim.profile_path", str(path), f"a readable JSON profile ({e}); "
                           f"measure it again with `{CALIBRATE_CMD}`") from None
-    if not isinstance(prof, dict) or prof.get("schema") != SCHEMA:
+    if not isinstance(prof, dict) or prof.get("schema") not in SCHEMAS:
         prof = prof if isinstance(prof, dict) else {}
         raise ConfigError("sim.profile_path", str(path), f"a profile of schema {SCHEMA} (found "
                           f"{prof.get('schema')!r}); measure it again with `{CALIBRATE_CMD}`")
     return prof
+
+
+def tp_degrees(exp: ExperimentConfig) -> dict[str, int]:
+    """The TP degree of the group that runs each model (testbed.placement)."""
+    from testbed.placement import make_placement
+
+    pl = make_placement(exp)
+    target = next(g for g in pl.groups if g.role == "target")
+    draft = pl.group(pl.draft_group) if pl.draft_group else target
+    return {"target": target.tp, "draft": draft.tp}
+
+
+class ShapeFactor:
+    """tp[n][shape] / tp[1][chain] of one model at (k, context) clamped to the TP grid."""
+
+    def __init__(self, tables: dict[str, Any], degree: int) -> None:
+        self.base = Table2D(tables["1"]["chain"])
+        at = tables[str(degree)]
+        self.shapes = {shape: Table2D(at[shape]) for shape in SHAPES if shape in at}
+        self.k_range = (self.base.k[0], self.base.k[-1])
+        self.c_range = (self.base.context[0], self.base.context[-1])
+
+    def __call__(self, shape: str, k: int, context: int) -> float:
+        table = self.shapes.get(shape) or self.shapes["chain"]
+        kc = min(max(k, self.k_range[0]), self.k_range[1])
+        cc = min(max(context, self.c_range[0]), self.c_range[1])
+        base = self.base(kc, cc)
+        return table(kc, cc) / base if base > 0 else 1.0
 
 
 class ProfileCost(CostModel):
@@ -114,6 +156,8 @@ class ProfileCost(CostModel):
         self._pick = 0.0
         self.ar = exp.schedule.name == "ar"
         self._prefill: dict[str, Table1D | None] = {}
+        self.degree = tp_degrees(exp)
+        self._factor: dict[str, ShapeFactor | None] = {}
         for role in ("target", "draft"):
             if role == "draft" and exp.schedule.name == "ar":
                 continue
@@ -153,11 +197,35 @@ class ProfileCost(CostModel):
             self._accept = Table1D(self._by_temp(m["accept"]), "k")
         pf = m.get("prefill")
         self._prefill[role] = Table1D(pf, "prompt_len") if pf else None
+        self._factor[role] = self._bind_tp(role, m)
+
+    def _bind_tp(self, role: str, m: dict[str, Any]) -> ShapeFactor | None:
+        """The TP/shape ratios of this role's model at its group's degree (module docstring)."""
+        if m.get("kind") == "ngram":
+            return None
+        if m.get("kind") == "early_exit":  # the target's layers: the target's ratios
+            m = self._model("target")
+        degree = self.degree[role]
+        tables = m.get("tp")
+        key = "placement.target_gpus" if role == "target" else "placement.draft_gpus"
+        if not tables:
+            if degree == 1:
+                return None
+            raise ConfigError(key, str(degree), f"TP 1: the profile {self.path} has no tensor-parallel "
+                              f"tables (schema {self.profile.get('schema')}); measure it again with "
+                              f"`{CALIBRATE_CMD}`")
+        if str(degree) not in tables or "1" not in tables:
+            raise ConfigError(key, str(degree), f"a TP degree the profile {self.path} measured "
+                              f"({', '.join(sorted(tables))}); measure it on a machine with "
+                              f"{degree} cores with `{CALIBRATE_CMD}`")
+        return ShapeFactor(tables, degree)
 
     def recorded_rounds(self, run_dir: Path) -> list[tuple[int, int, int, float, float, float, float]]:
-        """A real `sync` run's rounds with this model's times beside the recorded ones:
-        (request, drafted, accepted, recorded draft s, modelled draft s, recorded target s,
-        modelled target s) — contexts rebuilt from the prompt lengths as the schedule does."""
+        """A real `sync` (or serial-tree) run's rounds with this model's times beside the
+        recorded ones: (request, drafted, accepted, recorded draft s, modelled draft s, recorded
+        target s, modelled target s) — contexts rebuilt from the prompt lengths as the schedule
+        does. A tree round is modelled as its d expansions of w leaves (tree-shaped, over the
+        prefix and half the expanded slots) and a tree-shaped verification of its batch."""
         import pandas as pd
 
         try:
@@ -167,12 +235,28 @@ class ProfileCost(CostModel):
             raise ConfigError("acceptance.trace_path", str(run_dir), "run directories with readable "
                               f"parquet files ({str(e).splitlines()[0][:100]})") from None
         plen = dict(zip(requests["request_id"], requests["prompt_len"]))
+        summary_file = run_dir / "summary.json"
+        summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+        tree = summary.get("schedule") == "sync_tree"
+        width = int(summary.get("tree_width") or 1)
+        depth = int(summary.get("tree_depth_used") or summary.get("gamma") or 1)
+        if "verified_tokens" not in rounds:
+            rounds = rounds.assign(verified_tokens=rounds["drafted"] + 1)
         out = []
         for rid, g in rounds.sort_values(["request_id", "round"]).groupby("request_id"):
             seq_len, pending = int(plen.get(rid, 0)), 1
-            for k, n, t_draft, t_target in zip(g["drafted"], g["accepted"], g["draft_s"], g["target_s"]):
-                k, n = int(k), int(n)
+            for k, n, v, t_draft, t_target in zip(g["drafted"], g["accepted"], g["verified_tokens"],
+                                                  g["draft_s"], g["target_s"]):
+                k, n, v = int(k), int(n), int(v)
                 m_draft = 0.0
+                if tree:
+                    if "draft" in self._forward:
+                        m_draft = depth * self.forward("draft", width, seq_len + width * depth // 2,
+                                                       _raw=True, shape="tree")
+                    m_target = self.forward("target", v, seq_len - 1, _raw=True, shape="tree")
+                    seq_len += n + 1
+                    out.append((int(rid), k, n, float(t_draft), m_draft, float(t_target), m_target))
+                    continue
                 if "draft" in self._forward:  # not bound for `ar` (the baseline)
                     m_draft = self.forward("draft", pending, seq_len - pending, _raw=True) + sum(
                         self.forward("draft", 1, seq_len + i - 1, _raw=True) for i in range(1, k))
@@ -204,19 +288,25 @@ class ProfileCost(CostModel):
                 self.scale_k[k] = ratio
 
     def forward(self, role: Role, tokens: int, context: int,
-                layers: tuple[int, int] | None = None, _raw: bool = False) -> float:
-        t = self._forward_unscaled(role, tokens, context, layers)
+                layers: tuple[int, int] | None = None, _raw: bool = False, shape: str = "chain") -> float:
+        t = self._forward_unscaled(role, tokens, context, layers, shape)
         if _raw:
             return t
         return t * (self.scale_k.get(tokens, self.scale["target"]) if role == "target" else self.scale[role])
 
+    def tree_forward(self, role: Role, tokens: int, context: int) -> float:
+        return self.forward(role, tokens, context, shape="tree")
+
     def _forward_unscaled(self, role: Role, tokens: int, context: int,
-                          layers: tuple[int, int] | None) -> float:
+                          layers: tuple[int, int] | None, shape: str = "chain") -> float:
         table = self._forward[role]
         if isinstance(table, Table1D):  # n-gram lookup: one per round, spread over γ calls
             t = table(context) / self.gamma
         else:
             t = table(tokens, context)
+            factor = self._factor.get(role)
+            if factor is not None:
+                t *= factor(shape, tokens, context)
             if role == "target":
                 t += self._pick if self._accept is None else self._accept(tokens)
         if layers is not None:
@@ -226,7 +316,11 @@ class ProfileCost(CostModel):
 
     def prefill(self, role: Role, prompt_len: int) -> float:
         table = self._prefill.get(role)
-        return 0.0 if table is None else table(prompt_len) * self.scale[role]
+        if table is None:
+            return 0.0
+        factor = self._factor.get(role)  # a prefill is a long chain: the ratio at the longest k
+        ratio = 1.0 if factor is None else factor("chain", prompt_len, 0)
+        return table(prompt_len) * ratio * self.scale[role]
 
     def decode_seconds(self, run_dir: Path) -> dict[int, float]:
         """Modelled decode time per request of a recorded real run, with its own acceptance."""

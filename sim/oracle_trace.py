@@ -16,9 +16,15 @@ walked position by position and unobserved positions are drawn with the stream's
 from the simulation's seed. Decisions go through testbed.spec.speculative.accepted_prefix with
 ratios 1 (match) / 0 (mismatch), like every other oracle.
 
+Serial token trees (`sync` + ``schedule.tree=true``) replay a recorded serial-tree run: round i
+of a simulated request accepts as many tree nodes as round i of its recorded request did
+(sim.tree_tokens.TraceTreeTokens walks the most probable path of the batch that far). With the
+recorded tree shape (w, bs, d) this reproduces every round; with another shape the accepted
+count is capped by the batch's depth.
+
 ``acceptance.trace_path`` is a real run directory, its rounds.parquet, or a directory of runs
-(e.g. a validation sweep): then runs are filtered by the experiment key (schedule sync, pair,
-workload, temperature; γ preferred), and runs on the prompt split that feeds the experiment's
+(e.g. a validation sweep): then runs are filtered by the experiment key (schedule sync, or
+sync_tree for a tree; pair, workload, temperature; γ, the tree shape and the TP degree preferred), and runs on the prompt split that feeds the experiment's
 split are preferred (testbed.workloads.TRACE_SOURCE: `calibrate` for `holdout`, `trace` for
 `test`); a prediction never replays its own prompts' acceptance.
 """
@@ -89,7 +95,9 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
         path = path.parent
     if not path.exists():
         raise ConfigError("acceptance.trace_path", str(path), f"an existing directory; {HOWTO}")
-    runs = [(d, s) for d, s in _runs_below(path) if s.get("schedule") == "sync"
+    # `ar` (a baseline) replays nothing: the rounds of either kind do
+    wanted = {"sync_tree"} if exp.schedule.tree else {"sync"} if exp.schedule.name == "sync" else {"sync", "sync_tree"}
+    runs = [(d, s) for d, s in _runs_below(path) if s.get("schedule") in wanted
             and (d / "rounds.parquet").exists()]
     if (path / "summary.json").exists():
         return runs  # one run named explicitly: use it whatever its key
@@ -105,8 +113,24 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
     if exp.backend == "sim":
         real = [(d, s) for d, s in runs if s.get("backend") == "real"]
         runs = real or runs
-    same_gamma = [(d, s) for d, s in runs if int(s.get("gamma", -1)) == exp.schedule.gamma]
-    return same_gamma or runs
+    for same in (_same_gamma, _same_tree, _same_tp):  # preferences, in order: narrow if any match
+        runs = [(d, s) for d, s in runs if same(s, exp)] or runs
+    return runs
+
+
+def _same_gamma(s: dict, exp: ExperimentConfig) -> bool:
+    return int(s.get("gamma", -1)) == exp.schedule.gamma
+
+
+def _same_tree(s: dict, exp: ExperimentConfig) -> bool:
+    t = exp.schedule
+    return not t.tree or (s.get("tree_width") == t.tree_width and s.get("tree_budget") == t.tree_budget
+                          and s.get("tree_depth_used") == (t.tree_depth or t.gamma))
+
+
+def _same_tp(s: dict, exp: ExperimentConfig) -> bool:
+    """Acceptance does not depend on the TP degree, round times (profile_rescale) do."""
+    return (s.get("target_gpus"), s.get("draft_gpus")) == (exp.placement.target_gpus, exp.placement.draft_gpus)
 
 
 def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
@@ -118,7 +142,7 @@ def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
     runs = select_trace_runs(path, exp)
     if not runs:
         raise ConfigError("acceptance.trace_path", raw,
-                          f"a directory with a recorded sync run of pair={exp.pair.name} "
+                          f"a directory with a recorded {'sync_tree' if exp.schedule.tree else 'sync'} run of pair={exp.pair.name} "
                           f"workload={exp.workload.name} temperature={exp.sampling.temperature} "
                           f"(none found); {HOWTO}")
     traces: list[RequestTrace] = []
@@ -183,9 +207,9 @@ class TraceSequence(SequenceOracle):
 
 class TraceOracle(TokenOracle):
     def __init__(self, exp: ExperimentConfig, seed: int) -> None:
-        if exp.schedule.name in ("async",) or exp.schedule.tree:
-            raise ConfigError("acceptance", "trace", "iid or synthetic with token trees "
-                              "(a trace records chains: use schedule=sync or ar)")
+        if exp.schedule.name != "sync" and exp.schedule.name != "ar":
+            raise ConfigError("acceptance", "trace", f"iid or synthetic with schedule={exp.schedule.name} "
+                              "(a trace replays the rounds of sync, ar or the serial tree)")
         self.traces = load_trace(exp)
         self.seed = seed
 

@@ -150,15 +150,48 @@ class IidTreeTokens(TreeTokens):
         self._len += len(tokens)
 
 
+class TraceTreeTokens(IidTreeTokens):
+    """``acceptance=trace`` (sim/oracle_trace.py): the rank model's tree, whose verifications
+    accept what a recorded serial-tree request's rounds accepted, in order (wrapping around).
+    A round that accepted n walks n steps down the batch's most probable path (rank-0
+    children: the first path a top-k tree grows and selects), fewer where the batch is
+    shallower; the bonus token is a fresh one (which candidate the target preferred is not
+    recorded, so no subtree survives it)."""
+
+    def __init__(self, accepted: list[int], match_rate: float, width: int, rng: random.Random) -> None:
+        super().__init__(min(max(match_rate, 1e-3), 1.0 - 1e-3), width, rng)
+        self.accepted, self.next_round = accepted, 0
+
+    def verify(self, batch: TreeBatch, keys: Keys) -> TreeOutcome:
+        want = self.accepted[self.next_round % len(self.accepted)] if self.accepted else 0
+        self.next_round += 1
+        node, accepted, tokens = 0, [], []
+        while len(accepted) < want:
+            nxt = next((c for c in batch.children[node] if batch.tokens[c] == 0), -1)
+            if nxt < 0:
+                break
+            node = nxt
+            accepted.append(batch.node_ids[node])
+            tokens.append(0)
+        tokens.append(self.width)  # the bonus: not a draft candidate
+        return TreeOutcome(tokens, len(accepted), _checked(batch, accepted))
+
+
 def tree_tokens(ctx: SimContext, req: SimRequest) -> TreeTokens:
     oracle = ctx.oracle
     if isinstance(oracle, IidOracle):
         return IidTreeTokens(oracle.alpha, ctx.exp.schedule.tree_width, oracle.rng)
+    from sim.oracle_trace import TraceOracle
+
+    if isinstance(oracle, TraceOracle):
+        trace = oracle.traces[req.request_id % len(oracle.traces)]
+        return TraceTreeTokens([n for _, n in trace.rounds], trace.match_rate, ctx.exp.schedule.tree_width,
+                               random.Random(1_000_003 * oracle.seed + req.request_id))
     seq = oracle.sequence(req.request_id, req.prompt_len)
     if isinstance(seq, SyntheticSequence):
         return SyntheticTreeTokens(seq)
-    raise ValueError(f"acceptance={ctx.exp.acceptance.oracle}: token trees need acceptance=iid "
-                     "or acceptance=synthetic")
+    raise ValueError(f"acceptance={ctx.exp.acceptance.oracle}: token trees need acceptance=iid, "
+                     "synthetic or trace")
 
 
 class TimedTreeDrafter:
@@ -178,7 +211,7 @@ class TimedTreeDrafter:
         return self.core.tree
 
     def _seconds(self, step: Expansion) -> float:
-        return self.ctx.cost.forward("draft", step.n_inputs, step.context_len)
+        return self.ctx.cost.tree_forward("draft", step.n_inputs, step.context_len)
 
     def expand(self) -> float | None:
         """Expand the w most probable leaves; returns the forward's seconds (None: nothing

@@ -43,9 +43,9 @@ def choose_depth(ctx: SimContext, req: SimRequest, to_target: Link, to_draft: Li
     s, cost = ctx.exp.schedule, ctx.cost
     ref = req.prompt_len + req.max_new_tokens // 2
     bs, w = s.tree_budget, s.tree_width
-    t_target = (cost.forward("target", bs, ref) + to_target.transfer_time(BATCH_BYTES_PER_NODE * bs)
+    t_target = (cost.tree_forward("target", bs, ref) + to_target.transfer_time(BATCH_BYTES_PER_NODE * bs)
                 + to_draft.transfer_time(TOKEN_BYTES * (bs + 1)))
-    t_draft = cost.forward("draft", w, ref)
+    t_draft = cost.tree_forward("draft", w, ref)
     return async_depth(tree_depth=s.tree_depth, t_target=t_target, t_draft=t_draft), t_target, t_draft
 
 
@@ -94,7 +94,7 @@ def target_worker(side: Side, req: SimRequest, toks: Any, start: float, out: lis
         with side.group.request() as hold:
             yield hold
             s0 = env.now
-            dt = side.cost.forward("target", len(batch), seq_len - 1)
+            dt = side.cost.tree_forward("target", len(batch), seq_len - 1)
             yield env.timeout(dt)
         rec.span("target", "verify", s0, env.now, rid, r)
         res = toks.verify(batch, keys)

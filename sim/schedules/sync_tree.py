@@ -48,7 +48,7 @@ def sync_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
             draft_s += dt
         draft_s += drafter.fill()
         batch, keys = drafter.select()
-        target_s = cost.forward("target", len(batch), seq_len - 1)
+        target_s = cost.tree_forward("target", len(batch), seq_len - 1)
         yield env.timeout(draft_s + target_s)
         res = drafter.toks.verify(batch, keys)
         emitted = min(len(res.tokens), n_max - generated)

@@ -152,7 +152,7 @@ def sibling_replay_frame(runs: list[Run], val: pd.DataFrame) -> pd.DataFrame:
         s = run.summary
         return tuple(float(s.get(k)) if k == "temperature" else s.get(k) for k in JOIN if k != "split")
 
-    real = [r for r in runs if r.summary.get("backend") == "real" and r.summary.get("schedule") == "sync"]
+    real = [r for r in runs if r.summary.get("backend") == "real" and r.summary.get("schedule") in ("sync", "sync_tree")]
     sources = {(key(r), run_split(r)): r for r in real if run_split(r) in TRACE_SPLITS}
     measured = {tuple(r[k] for k in JOIN) for _, r in val.iterrows()} if len(val) else set()
     rows = []

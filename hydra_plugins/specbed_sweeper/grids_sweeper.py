@@ -1,0 +1,63 @@
+"""A Hydra sweeper for sweeps made of several grids (`+sweep=validate`: the chain grid and the
+serial-tree grid): Hydra's basic sweeper takes one Cartesian product of ``params``; this one
+also runs the product of every extra grid in ``grids``, each ``params`` with some keys replaced
+or added. Command-line sweep arguments apply to every grid (and win over its values, as they do
+over ``params``). The last key of ``params`` stays the last axis of every grid (validate's roles
+must run back to back). ``only``: the names of the grids to run (``params`` is "base"), e.g.
+``hydra.sweeper.only=[tree]``; a grid set to null is left out.
+
+It lives in the ``hydra_plugins`` namespace package because Hydra instantiates sweepers from
+there only (conf/hydra/sweeper/grids.yaml selects it).
+
+    hydra:
+      sweeper:
+        _target_: hydra_plugins.specbed_sweeper.grids_sweeper.GridsSweeper
+        params: {a: "1,2", role: "x,y"}
+        grids:
+          wide: {a: "7", b: "3,4"}        # a=7 x b in 3,4 x role in x,y
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+
+BASE = "base"
+
+
+class GridsSweeper(BasicSweeper):
+    def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None,
+                 grids: dict[str, dict[str, Any] | None] | None = None, only: list[str] | None = None) -> None:
+        super().__init__(max_batch_size=max_batch_size, params=params)
+        self.grids = {name: dict(g) for name, g in (grids or {}).items() if g}
+        self.only = list(only) if only else None
+        unknown = sorted(set(self.only or []) - {BASE, *self.grids})
+        if unknown:
+            raise ValueError(f"hydra.sweeper.only={self.only}: no grid named {', '.join(unknown)} "
+                             f"(grids: {', '.join([BASE, *self.grids])})")
+
+    def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
+        """Every grid's jobs (the basic sweeper's product each), duplicates dropped, in batches."""
+        loader = self.hydra_context.config_loader if self.hydra_context is not None else None
+        parser = OverridesParser.create(config_loader=loader)
+        n = len(self.params)  # BasicSweeper.sweep parsed params first, then the command line
+        base, cli = overrides[:n], overrides[n:]
+        last = base[-1:] if base else []
+        chosen = [(BASE, [])] + [(name, parser.parse_overrides([f"{k}={v}" for k, v in g.items()]))
+                                 for name, g in self.grids.items()]
+        jobs: list[list[str]] = []
+        seen: set[tuple[str, ...]] = set()
+        for name, extra in chosen:
+            if self.only is not None and name not in self.only:
+                continue
+            ordered = base[:-1] + extra + last + cli if last else extra + cli
+            for job in BasicSweeper.split_arguments(ordered, None)[0]:
+                if tuple(job) not in seen:
+                    seen.add(tuple(job))
+                    jobs.append(job)
+        if max_batch_size is None:
+            return [jobs]
+        return [list(chunk) for chunk in BasicSweeper.split_overrides_to_chunks(jobs, max_batch_size)]
