@@ -20,7 +20,7 @@ def test_quick_calibration_feeds_the_profile_cost_model(tmp_path: Path) -> None:
 
     exp = compose_exp("backend=real", "pair=smollm2_135m+smollm2_exit10", "real.threads=1")
     grid = Grid.quick()
-    path = calibrate(exp, run_dir=tmp_path / "run", grid=grid, log=lambda _: None, messages=False,
+    path = calibrate(exp, run_dir=tmp_path / "run", grid=grid, log=lambda _: None, messages=False, tp=False,
                      out_path=tmp_path / "local.json")
     prof = json.loads(path.read_text())
     assert prof["schema"] == SCHEMA and prof["threads"] == 1 and prof["dtype"] == "fp32"

@@ -31,7 +31,15 @@ BASE = "base"
 class GridsSweeper(BasicSweeper):
     def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None,
                  grids: dict[str, dict[str, Any] | None] | None = None, only: list[str] | None = None) -> None:
-        super().__init__(max_batch_size=max_batch_size, params=params)
+        # BasicSweeper.__init__'s attributes, set here: its ``super(BasicSweeper, self)`` fails
+        # once Hydra's plugin scan has re-executed basic_sweeper.py (a new BasicSweeper class)
+        self.overrides = None
+        self.batch_index = 0
+        self.max_batch_size = max_batch_size
+        self.params = dict(params or {})
+        self.hydra_context = None
+        self.config = None
+        self.launcher = None
         self.grids = {name: dict(g) for name, g in (grids or {}).items() if g}
         self.only = list(only) if only else None
         unknown = sorted(set(self.only or []) - {BASE, *self.grids})
