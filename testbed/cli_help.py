@@ -65,6 +65,8 @@ def help_text() -> str:
                     f"{', '.join(_options('pair'))}; models: {models}")
         else:
             body = ", ".join(_options(d.name))
+        if not body:  # a folder of sub-groups or other files only: nothing to choose by name
+            continue
         prefix = f"  {d.name:<11}"
         wrapped = textwrap.wrap(body, width=98 - len(prefix), break_on_hyphens=False)
         lines.append(f"{prefix}{wrapped[0]}" + (f"   ({note})" if note and len(wrapped) == 1 else ""))

@@ -100,11 +100,13 @@ CLI = """
 import sys
 import testbed.app as app
 from real.runtime import launch
+from testbed.config import register_configs
 from tests.runtime_workers import fail
 # the CLI's error path with a run whose draft worker is SIGKILLed mid-run
 if __name__ == "__main__":
     stamp = sys.argv.pop()
     app.run_backend = lambda exp: launch(exp, fail, args=("kill", stamp))
+    register_configs([])  # what `python -m testbed` does before Hydra composes
     app.main()
 """
 
