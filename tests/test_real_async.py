@@ -27,6 +27,7 @@ from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams, standardize
 from tests import async_workers as aw
 from tests.conftest import compose_exp
+from tests.processes import live_workers
 from tests.real_models import TINY, tiny
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
@@ -34,15 +35,6 @@ two_cores = pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2,
                                reason="needs two cores (one worker per core)")
 
 
-def _workers() -> list[psutil.Process]:
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +70,7 @@ def test_async_on_two_processes_equals_ar_at_temperature_0(tiny_pair) -> None:  
     # one clock: every verification starts after the subtree it verifies was sent
     sent = timeline[timeline.resource == "link draft->target"]
     assert len(sent) >= len(rounds) and (sent.start_s >= 0).all()
-    assert _workers() == []
+    assert live_workers() == []
 
 
 def test_async_with_the_ngram_draft_is_a_one_line_error() -> None:
@@ -101,7 +93,7 @@ def test_a_killed_worker_ends_the_async_run_within_30_s(tiny_pair, role: str, tm
     rank = 0 if role == "target" else 1
     assert str(e.value) == f"rank {rank} ({role}) died: killed by SIGKILL"
     assert time.time() - float(stamp.read_text()) < 30
-    assert _workers() == []
+    assert live_workers() == []
 
 
 # --------------------------------------------------------- in process: T = 1 sampling
@@ -325,4 +317,4 @@ def test_bundled_pair_async_equals_ar_at_temperature_0() -> None:
     spec = [r["output_ids"] for r in res.recorder.requests]
     assert spec == [r["output_ids"] for r in res.baseline.requests]
     assert all(len(o) == 24 for o in spec)
-    assert _workers() == []
+    assert live_workers() == []

@@ -9,6 +9,7 @@ import pytest
 
 from real.engine import run
 from tests.conftest import compose_exp
+from tests.processes import live_workers
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2,
@@ -51,13 +52,9 @@ def test_tensor_parallel_run_equals_the_single_process_run(tiny_pair, schedule, 
     assert _outputs(two) == (spec1, ar1)
     rounds = two.recorder.frames()[0]
     assert len(rounds) > 0 and (rounds.accepted <= rounds.drafted).all()
-    assert _workers() == []
+    assert live_workers() == []
 
 
-def _workers() -> list[psutil.Process]:
-    """Spawned worker interpreters still alive (multiprocessing's resource tracker excluded)."""
-    return [p for p in psutil.Process().children(recursive=True)
-            if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())]
 
 
 @pytest.mark.slow
@@ -86,4 +83,4 @@ def test_torchrun_gives_the_tokens_of_the_spawned_run(tiny_pair, tmp_path) -> No
     ids = [pd.read_parquet(tmp_path / d / "requests.parquet").output_ids.map(list).tolist()
            for d in ("trun", "spawn")]
     assert ids[0] == ids[1] and all(len(o) == 16 for o in ids[0])
-    assert _workers() == []
+    assert live_workers() == []

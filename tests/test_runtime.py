@@ -25,6 +25,7 @@ from testbed.links import LinkDelays
 from testbed.placement import make_placement
 from tests import runtime_workers as rw
 from tests.conftest import ROOT, compose_exp
+from tests.processes import live_workers
 
 
 def _real(*overrides: str) -> ExperimentConfig:
@@ -35,22 +36,12 @@ def _real(*overrides: str) -> ExperimentConfig:
     return exp
 
 
-def _workers() -> list[psutil.Process]:
-    """Live worker processes started by this test process (spawned interpreters)."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 @pytest.fixture(autouse=True)
 def no_worker_left():  # type: ignore[no-untyped-def]
     yield
-    assert _workers() == []
+    assert live_workers() == []
 
 
 def test_two_launches_at_once_round_trip_tp_broadcast_and_pinning() -> None:
