@@ -14,6 +14,10 @@ A ``Transport`` is one rank's end of a channel (a set of ranks with its own proc
   never waits for the emulated wire, bandwidth serialises, and jitter may reorder messages
   exactly as the simulator lets them overtake. Links inside one machine are not emulated
   (``LinkSpec.emulated`` is false): the physical transport is what is measured.
+  The emulated delay is the *total* delay: the physical transport underneath costs time too
+  (~1 ms per frame on loopback gloo), so each message is handed over that much before its
+  arrival time — ``DistTransport.measure_lead`` measures the one-way cost of a frame when the
+  channel is set up, and the sender thread learns its own wake-up lateness as it runs.
 - ``recv(src=None, timeout_s=None)`` blocks until the next message arrives, at most the
   transport's receive timeout (``real.recv_timeout_s``), then raises ``LinkTimeout`` naming both
   ranks, their roles and the channel. It records one timeline span per message (resource = the
@@ -50,6 +54,8 @@ MAGIC, MAGIC_SPLIT = 0x5BEC, 0x5BED  # tensors inside the frame / sent after it
 FRAME_BYTES = 32 * 1024  # one DistTransport frame: header + tensors that fit
 MAX_TENSORS, MAX_DIMS = 4, 3
 NO_TIME = -(1 << 63)  # header value of an unset send time
+LEAD_PROBES, LEAD_GAP_S = 12, 0.008  # per emulated link when a channel is set up
+WAKEUP_WINDOW, MAX_WAKEUP_S = 64, 2e-3  # the sender thread's wake-up lateness estimate
 _FIXED = 8  # magic, kind, request, round, version, committed, sent_ns, n_tensors
 assert _FIXED + MAX_TENSORS * (2 + MAX_DIMS) == HEADER_INTS
 DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16,
@@ -148,6 +154,10 @@ class Transport(ABC):
         self._error: BaseException | None = None
         self._closed = False
         self.release_lateness_s: list[float] = []  # per message: hand-over time - due time
+        # per link: the physical one-way cost of a frame, subtracted from the emulated delay
+        self.lead_s: dict[tuple[int, int], float] = {}
+        self._wakeups: list[float] = []  # recent wake-up lateness of the sender thread
+        self._wakeup_s = 0.0  # their median: the sender thread wakes up that much early
         self._thread = threading.Thread(target=self._release, name=f"send {channel}", daemon=True)
         self._thread.start()
 
@@ -183,10 +193,9 @@ class Transport(ABC):
         msg = replace(msg, sent_s=now, tensors=tuple(t.detach().clone() for t in msg.tensors))
         d = self.delays.get((self.rank, dst))
         due = d.deliver(now, msg.payload_bytes).arrival_s if d is not None else now
-        with self._cv:
-            heapq.heappush(self._heap, _Pending(due, next(self._seq), dst, msg))
-            self._inflight += 1
-            self._cv.notify()
+        if d is not None:  # hand over early by the physical transport's own cost
+            due = max(now, due - self.lead_s.get((self.rank, dst), 0.0))
+        self._enqueue(due, dst, msg)
 
     def recv(self, src: int | None = None, timeout_s: float | None = None) -> Message:
         """The next message (from ``src``, default: any peer); ``LinkTimeout`` after the timeout."""
@@ -237,16 +246,37 @@ class Transport(ABC):
             raise LinkError(f"{self.describe(self.rank)} could not send on channel {self.channel}: "
                             f"{str(self._error).splitlines()[0][:200]}")
 
+    def _enqueue(self, due_s: float, dst: int, msg: Message) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, _Pending(due_s, next(self._seq), dst, msg))
+            self._inflight += 1
+            self._cv.notify()
+
+    def _learn_wakeup(self, due_s: float, slept: bool) -> None:
+        """Record how late the hand-over is; the thread then wakes up early by the median of the
+        recent lateness of hand-overs it slept for (one already due when the thread got to it —
+        no delay, or queued behind another — says nothing about waking up)."""
+        late = self.clock() - due_s
+        self.release_lateness_s.append(late)
+        if slept:
+            self._wakeups.append(late + self._wakeup_s)
+            del self._wakeups[:-WAKEUP_WINDOW]
+            self._wakeup_s = min(max(0.0, sorted(self._wakeups)[len(self._wakeups) // 2]), MAX_WAKEUP_S)
+
     def _release(self) -> None:
         """Sender thread: hand each message over at its arrival time, earliest first."""
         while True:
+            slept = False
             with self._cv:
-                while not self._closed and (not self._heap or self._heap[0].due_s > self.clock()):
-                    self._cv.wait(None if not self._heap else self._heap[0].due_s - self.clock())
+                while not self._closed and (not self._heap or self._heap[0].due_s - self._wakeup_s
+                                            > self.clock()):
+                    slept = bool(self._heap)
+                    self._cv.wait(None if not self._heap
+                                  else self._heap[0].due_s - self._wakeup_s - self.clock())
                 if self._closed:
                     return
                 item = heapq.heappop(self._heap)
-            self.release_lateness_s.append(self.clock() - item.due_s)
+            self._learn_wakeup(item.due_s, slept)
             try:
                 self._put(item.msg, item.dst)
             except BaseException as e:  # reported to the caller on its next send/flush
@@ -271,6 +301,35 @@ class DistTransport(Transport):
                  **kw) -> None:  # type: ignore[no-untyped-def]
         self.group, self.device = group, torch.device(device)
         super().__init__(**kw)
+
+    def measure_lead(self, probes: int = LEAD_PROBES, gap_s: float = LEAD_GAP_S,
+                     ) -> dict[tuple[int, int], float]:
+        """Measure each emulated link's physical one-way cost and make it the link's lead.
+
+        Every rank of the channel calls this at set-up, in the same order. The sender sends
+        ``probes`` frames, one every ``gap_s`` (so the receiver is blocked in its receive, as it
+        is behind a WAN link: a ping-pong, with both ends hot, underestimates the cost by half);
+        the receiver times each on the shared run clock and returns the median."""
+        probe = Message(Kind.DATA, tensors=(torch.zeros(8, dtype=torch.int32),))
+        for src, dst in sorted(self.links):
+            if not self.links[(src, dst)].emulated or self.rank not in (src, dst):
+                continue
+            if self.rank == src:
+                for _ in range(probes):  # through the sender thread, as every message goes
+                    time.sleep(gap_s)
+                    now = self.clock()
+                    self._enqueue(now, dst, replace(probe, sent_s=now))
+                self.flush()
+                _, answer = self._get(dst, self.recv_timeout_s)
+                self.lead_s[(src, dst)] = float(answer.tensors[0])
+            else:
+                one_way = []
+                for _ in range(probes):
+                    _, m = self._get(src, self.recv_timeout_s)
+                    one_way.append(self.clock() - m.sent_s)
+                median = max(0.0, sorted(one_way)[len(one_way) // 2])
+                self._put(Message(Kind.DATA, tensors=(torch.tensor(median, dtype=torch.float64),)), src)
+        return dict(self.lead_s)
 
     def _put(self, msg: Message, dst: int) -> None:
         tensors = [t.contiguous().to(self.device) for t in msg.tensors]

@@ -156,10 +156,13 @@ def make_transports(ctx: WorkerContext) -> dict[str, Transport]:
         for name in ch.links:
             spec = next(lk for lk in pl.links if lk.name == name)
             links[(pl.group(spec.src).leader, pl.group(spec.dst).leader)] = spec
-        out[ch.name] = DistTransport(
+        t = DistTransport(
             group=ctx.groups[ch.name], device=ctx.device, channel=ch.name, rank=ctx.rank,
             names={r: pl.rank(r).describe() for r in ch.ranks}, links=links, seed=ctx.exp.seed,
             clock=ctx.now, recv_timeout_s=ctx.recv_timeout_s, rec=ctx.rec)
+        if any(spec.emulated for spec in links.values()):
+            t.measure_lead()  # so the emulated delay is the total, transport included
+        out[ch.name] = t
     return out
 
 

