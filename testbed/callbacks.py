@@ -16,6 +16,15 @@ from testbed import sweeps
 JOBS_ENV = "SPECBED_SWEEP_JOBS"  # set by `python -m testbed` after its pre-run check
 
 
+REPORT_PARALLEL_FROM = 12  # runs: below, starting report processes costs more than it saves
+
+
+def report_workers(sweep_dir: Path) -> int:
+    """Processes for the sweep report's figures: this process's cores, for a big enough sweep."""
+    runs = sum(1 for _ in sweep_dir.glob("*/summary.json"))
+    return len(os.sched_getaffinity(0)) if runs >= REPORT_PARALLEL_FROM else 1
+
+
 class SweepReport(Callback):
     """Builds results.parquet, report.md/html + figures in the sweep directory."""
 
@@ -31,7 +40,7 @@ class SweepReport(Callback):
             print(f"sweep results: {table} (+ results.csv)")
         failed = sweeps.failures(sweep_dir)
         try:
-            report = build_report([sweep_dir], sweep_dir)
+            report = build_report([sweep_dir], sweep_dir, workers=report_workers(sweep_dir))
             print(f"sweep report: {report.with_suffix('.html')}")
         except (FileNotFoundError, ReportError) as e:
             print(f"error: no report: {e}", file=sys.stderr)

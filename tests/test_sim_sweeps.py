@@ -83,6 +83,10 @@ def test_decentralized_report_section(tmp_path: Path) -> None:
     section = md.split("## Decentralized speculative decoding (DSD)")[1].split("\n## ")[0]
     assert "eq. (5)" in section and "comm_reduction_eq5" in section
     assert "Theory check" in section and (tmp_path / "decentralized.png").exists()
+    # the sweep report's figures drawn in two processes: the same report, the same figures
+    two = build_report([tmp_path], tmp_path / "two", workers=2)
+    assert two.read_text().split("\n", 3)[3] == md.split("\n", 3)[3]  # (line 3 names the paths)
+    assert {f.name for f in two.parent.glob("*.png")} == {f.name for f in tmp_path.glob("*.png")}
 
 
 @pytest.mark.slow

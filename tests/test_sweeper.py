@@ -40,3 +40,44 @@ def test_validate_sweep_has_the_serial_tree_grid_at_tp_1_and_2() -> None:
     assert {j[-1] for j in got[:3]} == {"+validate=calibrate", "+validate=measure", "+validate=predict"}
     assert all("schedule.tree=True" in j and "pair=smollm2_135m+smollm2_draft" in j for j in got)
     assert {next(o for o in j if o.startswith("+tp=")) for j in got} == {"+tp=tp1", "+tp=tp2"}
+
+
+def test_the_sweeper_is_installed_with_the_package(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # every sweep uses it (conf/config.yaml): it must import from any directory, not only the
+    # repository root (a namespace package the install has to map)
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import hydra_plugins.specbed_sweeper.grids_sweeper as g; "
+                          "import hydra_plugins.hydra_joblib_launcher; print(g.__file__)"],
+                         cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-500:]
+
+
+def test_up_front_check_composes_once_per_group_choice_and_still_rejects_bad_values() -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from testbed.config import register_configs
+
+    register_configs([])
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=["+sweep=wan"], return_hydra_config=True)
+        loader = GlobalHydra.instance().config_loader()
+    sweeper = GridsSweeper(params={})
+    sweeper.config = cfg
+
+    class Ctx:
+        config_loader = loader
+
+    sweeper.hydra_context = Ctx()  # type: ignore[assignment]
+    calls = []
+    real = loader.load_sweep_config
+    loader.load_sweep_config = lambda c, o: calls.append(o) or real(c, o)  # type: ignore[method-assign]
+    jobs = [[f"network.latency_ms={lat}", f"+split={s}"] for s in ("t1", "t2") for lat in (0, 5, 20)]
+    sweeper.validate_batch_is_legal(jobs)
+    assert len(calls) == 2  # one composition per +split choice, not six
+    with pytest.raises(Exception, match="latency_ms"):
+        sweeper.validate_batch_is_legal([["network.latency_ms=0"], ["network.latency_ms=fast"]])
+    with pytest.raises(Exception, match="no_such_key"):
+        sweeper.validate_batch_is_legal([["network.latency_ms=0"], ["network.no_such_key=1"]])

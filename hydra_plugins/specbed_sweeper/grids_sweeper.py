@@ -6,6 +6,12 @@ over ``params``). The last key of ``params`` stays the last axis of every grid (
 must run back to back). ``only``: the names of the grids to run (``params`` is "base"), e.g.
 ``hydra.sweeper.only=[tree]``; a grid set to null is left out.
 
+It is every sweep's sweeper (conf/config.yaml), also for one grid, for its check of the jobs
+before any runs: Hydra composes every job's config up front (0.4 s each here: half a job's time,
+and serial — with the joblib launcher it capped the speed-up on 2 cores at ~1.3x). This one
+composes once per distinct set of config-group choices and applies each job's plain value
+overrides to a copy, which checks the same keys and types in milliseconds.
+
 It lives in the ``hydra_plugins`` namespace package because Hydra instantiates sweepers from
 there only (conf/hydra/sweeper/grids.yaml selects it).
 
@@ -19,8 +25,11 @@ there only (conf/hydra/sweeper/grids.yaml selects it).
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from typing import Any
 
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
@@ -69,3 +78,25 @@ class GridsSweeper(BasicSweeper):
         if max_batch_size is None:
             return [jobs]
         return [list(chunk) for chunk in BasicSweeper.split_overrides_to_chunks(jobs, max_batch_size)]
+
+    def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
+        """Compose each distinct set of group choices once; check the value overrides on copies
+        (what Hydra's own check does, composing every job: see the module docstring)."""
+        loader = self.hydra_context.config_loader if self.hydra_context is not None else None
+        if not isinstance(loader, ConfigLoaderImpl) or self.config is None:
+            return super().validate_batch_is_legal(batch)
+        parser = OverridesParser.create(config_loader=loader)
+        composed: dict[tuple[str, ...], Any] = {}
+        for job in batch:
+            parsed = parser.parse_overrides(list(job))
+            groups = tuple(o.input_line or "" for o in parsed if _is_group_choice(o, loader))
+            values = [o for o in parsed if not _is_group_choice(o, loader)]
+            if groups not in composed or any(o.is_add() or o.is_delete() or o.is_force_add()
+                                             for o in values):
+                composed[groups] = loader.load_sweep_config(self.config, list(job))
+                continue
+            ConfigLoaderImpl._apply_overrides_to_config(values, copy.deepcopy(composed[groups]))
+
+
+def _is_group_choice(override: Override, loader: ConfigLoaderImpl) -> bool:
+    return override.package is not None or loader.repository.group_exists(override.key_or_group)

@@ -73,8 +73,11 @@ def _load_sections(runs: list[Run]) -> None:
         import testbed.report.sections_validate  # noqa: F401  (sim vs real: validation.csv, parity)
 
 
-def build_report(paths: Iterable[Path | str], out_dir: Path | str, figures: bool = True) -> Path:
+def build_report(paths: Iterable[Path | str], out_dir: Path | str, figures: bool = True,
+                 workers: int = 1) -> Path:
     """Write report.md, report.html and figures into out_dir; return the report.md path.
+    ``workers`` > 1 draws the sections' figures in that many processes (a sweep's report: most
+    of its time is matplotlib laying out text, one section at a time).
 
     Everything is written into a temporary directory beside the output first and moved in only
     when the whole report succeeded: a failure (a corrupt run) leaves `out_dir` as it was."""
@@ -102,8 +105,7 @@ def build_report(paths: Iterable[Path | str], out_dir: Path | str, figures: bool
                          f"{' '.join(map(str, paths))}` (or `report.figures=true`).\n")
         if failed:
             parts.append("## Failed jobs\n\n" + markdown_table(pd.DataFrame(failed)) + "\n")
-        for _, title, fn in SECTIONS:
-            body = fn(ctx)
+        for (_, title, _fn), body in zip(SECTIONS, _render(ctx, workers)):
             if body:
                 parts.append(f"## {title}\n\n{body}\n")
         md = "\n".join(parts)
@@ -118,6 +120,25 @@ def build_report(paths: Iterable[Path | str], out_dir: Path | str, figures: bool
         raise
     shutil.rmtree(tmp, ignore_errors=True)
     return out / "report.md"
+
+
+def _render(ctx: ReportContext, workers: int) -> list[str]:
+    """Every section's markdown, in order; in ``workers`` processes when drawing figures."""
+    fns = [fn for _, _, fn in SECTIONS]
+    if workers <= 1 or not ctx.draw or len(fns) <= 1:
+        return [fn(ctx) for fn in fns]
+    from joblib import Parallel, delayed
+
+    # loky: the joblib launcher's worker processes are reused when the sweep used them
+    return Parallel(n_jobs=min(workers, len(fns)), backend="loky")(
+        delayed(_render_section)(fn, ctx) for fn in fns)
+
+
+def _render_section(fn: Section, ctx: ReportContext) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    return fn(ctx)
 
 
 def _failed_jobs(paths: list[Path | str]) -> list[dict[str, str]]:
