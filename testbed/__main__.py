@@ -34,6 +34,10 @@ def main() -> None:
             run_single(composed["cfg"])
             return
         os.environ["SPECBED_SWEEP_JOBS"] = str(jobs)  # the sweep's progress line
+        from testbed.preflight import MAX_JOBS_CHECKED
+
+        if jobs < MAX_JOBS_CHECKED:  # the sweeper need not compose every job again
+            os.environ["SPECBED_SWEEP_CHECKED"] = "1"
     else:
         from testbed.config import register_configs
 

@@ -10,7 +10,8 @@ It is every sweep's sweeper (conf/config.yaml), also for one grid, for its check
 before any runs: Hydra composes every job's config up front (0.4 s each here: half a job's time,
 and serial — with the joblib launcher it capped the speed-up on 2 cores at ~1.3x). This one
 composes once per distinct set of config-group choices and applies each job's plain value
-overrides to a copy, which checks the same keys and types in milliseconds.
+overrides to a copy, which checks the same keys and types in milliseconds; and none at all when
+`python -m testbed`'s own pre-run check has already composed every job (``CHECKED_ENV``).
 
 It lives in the ``hydra_plugins`` namespace package because Hydra instantiates sweepers from
 there only (conf/hydra/sweeper/grids.yaml selects it).
@@ -26,6 +27,7 @@ there only (conf/hydra/sweeper/grids.yaml selects it).
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +37,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 
 BASE = "base"
+# set by `python -m testbed` when its pre-run check covered every job of the params grid
+CHECKED_ENV = "SPECBED_SWEEP_CHECKED"
 
 
 class GridsSweeper(BasicSweeper):
@@ -82,6 +86,8 @@ class GridsSweeper(BasicSweeper):
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         """Compose each distinct set of group choices once; check the value overrides on copies
         (what Hydra's own check does, composing every job: see the module docstring)."""
+        if os.environ.get(CHECKED_ENV) == "1" and not self.grids:
+            return  # `python -m testbed`'s pre-run check has composed and validated every job
         loader = self.hydra_context.config_loader if self.hydra_context is not None else None
         if not isinstance(loader, ConfigLoaderImpl) or self.config is None:
             return super().validate_batch_is_legal(batch)
