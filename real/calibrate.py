@@ -400,6 +400,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
     """Measure and write the profile; returns its path. ``tp``: also the multi-process tables
     (real/calibrate_tp.py, ``tp_grid`` a ``TpGrid``; skipped on a machine with one core)."""
     from real.weights import load_model
+    from testbed.machine import probe_record
     from testbed.results import write_json
     from testbed.spec.sampling import SamplingParams
 
@@ -407,6 +408,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     started = time.perf_counter()
     load_before = load_average()
+    probe_before = probe_record()  # the machine's speed now (sim.profile_drift=probe)
     old_threads = torch.get_num_threads()
     if exp.real.threads:
         torch.set_num_threads(exp.real.threads)
@@ -447,12 +449,15 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
         models[name].update(tables)
     if "round_trip" in tp_part:
         links["gloo_round_trip"] = tp_part["round_trip"]["gloo_loopback"]
+    probe_after = probe_record()
     profile = {
         "schema": SCHEMA, "kind": "testbed-latency-profile", "hardware": exp.hardware.name,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "machine": machine_facts(), "torch": torch.__version__, "threads": threads,
         "dtype": exp.real.dtype, "device": exp.real.device, "statistic": "median",
         "repeats": grid.repeats, "load_average": {"before": load_before, "after": load_average()},
+        "probe": {"gbps": round((probe_before["gbps"] + probe_after["gbps"]) / 2, 3),
+                  "before": probe_before, "after": probe_after},
         "calibration_s": round(time.perf_counter() - started, 1),
         "models": models, "links": links,
         **{k: tp_part[k] for k in ("allreduce", "tp_allreduce", "tp_calibration_s") if k in tp_part},

@@ -38,6 +38,8 @@ def profile_is_current(path: Path, exp: ExperimentConfig) -> tuple[bool, str]:
         return False, f"profile dtype {prof.get('dtype')} != real.dtype={exp.real.dtype}"
     if exp.real.threads and prof.get("threads") != exp.real.threads:
         return False, f"profile threads {prof.get('threads')} != real.threads={exp.real.threads}"
+    if not prof.get("probe", {}).get("gbps"):
+        return False, "profile has no bandwidth probe (the predictions' sim.profile_drift=probe needs it)"
     missing = [m.name for m in [exp.pair.target, *drafts_to_measure(exp)] if m.name not in prof.get("models", {})]
     if missing:
         return False, f"profile lacks {', '.join(missing)}"

@@ -170,6 +170,20 @@ class ProfileCost(CostModel):
             runs = select_trace_runs(Path(exp.acceptance.trace_path).expanduser(), exp)
             self.fit_scale([d for d, s in runs if s.get("hardware") == exp.hardware.name
                             and s.get("backend") == "real"])
+        self.drift = 1.0  # sim.profile_drift=probe: the machine now against the profile's
+        if exp.sim.profile_drift == "probe":
+            self.drift = self._probe_drift()
+            self.scale = {role: v * self.drift for role, v in self.scale.items()}
+
+    def _probe_drift(self) -> float:
+        from testbed.machine import drift_factor, probe_now
+
+        probe = self.profile.get("probe", {})
+        if not probe.get("gbps"):
+            raise ConfigError("sim.profile_drift", "probe",
+                              f"none: the profile {self.path} has no bandwidth probe (measured before "
+                              f"this version); re-measure it with `{CALIBRATE_CMD}`")
+        return drift_factor(float(probe["gbps"]), probe_now())
 
     def _model(self, role: str) -> dict[str, Any]:
         models = self.profile.get("models", {})

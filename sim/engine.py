@@ -68,6 +68,8 @@ def simulate(exp: ExperimentConfig, requests: list[SimRequest], seed: int,
 
     env.process(serve_all())
     env.run()
+    if exp.sim.profile_drift == "probe":  # how much slower the machine is now than profiled
+        ctx.extra["profile_drift_factor"] = round(getattr(ctx.cost, "drift", 1.0), 4)
     if extra is not None:
         extra.update(ctx.extra)
     return rec

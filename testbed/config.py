@@ -20,6 +20,7 @@ from testbed.schedules import BACKENDS, SCHEDULES, unsupported
 LOOKAHEADS = ("static", "heuristic")
 ORACLES = ("iid", "synthetic", "trace")
 COST_MODELS = ("analytic", "roofline", "profile")
+PROFILE_DRIFTS = ("none", "probe")
 WORKLOADS = ("synthetic", "humaneval", "mtbench", "alpaca")
 MODEL_KINDS = ("transformer", "ngram", "early_exit")
 MLPS = ("swiglu", "gelu")  # gelu: GPTBigCode/StarCoder, 2 matrices instead of 3
@@ -148,6 +149,9 @@ class SimConfig:
     t_target_ms: float = 25.0  # analytic: one target forward (all stages together)
     profile_path: str | None = None  # profile: latency tables written by +calibrate
     profile_rescale: bool = False  # profile + acceptance=trace: scale to the trace runs' round times
+    # profile: `probe` scales the profile's times by its bandwidth probe / the probe run now
+    # (testbed/machine.py): the machine's drift, without a run of the configuration
+    profile_drift: str = "none"  # none | probe
 
 
 @dataclass
@@ -397,6 +401,10 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _choice("sim.cost_model", sm.cost_model, COST_MODELS)
     _float_range("sim.c", sm.c, 0.0)
     _float_range("sim.t_target_ms", sm.t_target_ms, 0.0, lo_open=True)
+    _choice("sim.profile_drift", sm.profile_drift, PROFILE_DRIFTS)
+    if sm.profile_drift != "none" and sm.profile_rescale:
+        raise ConfigError("sim.profile_drift", sm.profile_drift, "none with sim.profile_rescale=true (both "
+                          "set the profile's level: the rescale from the trace runs, the drift from a probe)")
 
     w = exp.workload
     _choice("workload", w.name, WORKLOADS)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from sim.cost_profile import CALIBRATE_CMD, SCHEMA, ProfileCost, interp1
-from testbed.config import ConfigError
+from testbed.config import ConfigError, validate
 from tests.conftest import compose_exp, run_cli
 
 K = [1, 2, 4, 8]
@@ -167,3 +167,77 @@ def test_rescale_follows_the_calibrate_runs_round_times(tmp_path) -> None:  # ty
     assert scaled.forward("target", 5, 300) == pytest.approx(2.0 * plain.forward("target", 5, 300))
     assert scaled.decode_seconds(tmp_path / "runs" / "0")[0] == pytest.approx(
         sum(rec.rounds[i][9] + rec.rounds[i][10] for i in range(8)), rel=0.02)
+
+
+def test_probe_drift_scales_every_time_by_the_bandwidth_ratio(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """sim.profile_drift=probe: a machine whose copy bandwidth is half the profile's is predicted
+    2x slower for both models; a profile without a probe is refused, naming the setting."""
+    import testbed.machine as machine
+
+    prof = make_profile()
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    base = ("pair=smollm2_135m+smollm2_exit10", "hardware=local", "sim.cost_model=profile",
+            f"sim.profile_path={path}")
+    with pytest.raises(ConfigError, match="sim.profile_drift.*no bandwidth probe"):
+        ProfileCost(compose_exp(*base, "sim.profile_drift=probe"))
+    path.write_text(json.dumps({**prof, "probe": {"gbps": 10.0}}))
+    monkeypatch.setattr(machine, "_last", None)
+    monkeypatch.setattr(machine, "bandwidth_probe_gbps", lambda **_: 5.0)
+    plain = ProfileCost(compose_exp(*base))
+    drifted = ProfileCost(compose_exp(*base, "sim.profile_drift=probe"))
+    assert drifted.drift == pytest.approx(2.0)
+    for role, k in (("target", 5), ("draft", 1)):
+        assert drifted.forward(role, k, 200) == pytest.approx(2.0 * plain.forward(role, k, 200))
+    with pytest.raises(ConfigError, match="profile_rescale"):
+        validate(compose_exp(*base, "sim.profile_drift=probe", "sim.profile_rescale=true"))
+
+
+def test_bandwidth_probe_reads_a_plausible_speed() -> None:
+    from testbed.machine import bandwidth_probe_gbps, drift_factor
+
+    gbps = bandwidth_probe_gbps(mb=16, repeats=3)
+    assert 0.1 < gbps < 1000  # a copy of 16 MB: any real machine lands here, a unit slip does not
+    assert drift_factor(10.0, 5.0) == 2.0
+    with pytest.raises(ValueError):
+        drift_factor(10.0, 0.0)
+
+
+def test_validation_shows_the_standalone_prediction_beside_the_rescaled_one(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The trace run's rounds took 2x the profile's times: the standalone prediction (probe drift
+    1.0) keeps the profile's speed, the rescaled one is half as fast — both in the report's frame."""
+    import testbed.machine as machine
+    from sim.engine import run as simulate
+    from testbed.recorder import RunRecorder, RunResult
+    from testbed.report.sections_validate import rescaled_frame, validation_frame
+    from testbed.results import find_runs, write_run
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**make_profile(), "probe": {"gbps": 8.0}}))
+    monkeypatch.setattr(machine, "_last", None)
+    monkeypatch.setattr(machine, "bandwidth_probe_gbps", lambda **_: 8.0)
+    base = ("pair=smollm2_135m+smollm2_exit10", "hardware=local", "schedule.gamma=4", "workload=humaneval",
+            "workload.num_prompts=1", "workload.max_new_tokens=16")
+    sweep = tmp_path / "sweep"
+    plain = ProfileCost(compose_exp(*base, "sim.cost_model=profile", f"sim.profile_path={path}"))
+    for name, split in (("0", "trace"), ("1", "test")):  # real runs: 2x the profile's round times
+        rec, seq_len = RunRecorder(), 100
+        for r in range(8):
+            t_target = 2.0 * plain.forward("target", 5, seq_len - 1)
+            t_draft = 2.0 * sum(plain.forward("draft", 1, seq_len + i - 1) for i in range(4))
+            rec.round(request_id=0, round_idx=r, start_s=0.0, end_s=0.0, drafted=4, checked=2,
+                      accepted=1, emitted=2, verified_tokens=5, draft_s=t_draft, target_s=t_target)
+            seq_len += 2
+        rec.request(0, "HumanEval/0", 100, [], 16, 0.1, 1.0, 8)
+        write_run(sweep / name, compose_exp("backend=real", *base, f"workload.split={split}"),
+                  RunResult(recorder=rec))
+    pred = validate(compose_exp(*base, "sim.cost_model=profile", f"sim.profile_path={path}", "acceptance=trace",
+                                f"acceptance.trace_path={sweep}", "sim.profile_drift=probe", "workload.split=test"))
+    write_run(sweep / "2", pred, simulate(pred))
+    runs = find_runs([sweep])
+    both = rescaled_frame(runs, validation_frame(runs))
+    assert len(both) == 1
+    row = both.iloc[0]
+    assert row["drift_factor"] == pytest.approx(1.0)
+    assert row["rescaled"] == pytest.approx(row["standalone"] / 2.0, rel=0.05)
+    assert row["rescaled_error_pct"] == pytest.approx(100 * (row["rescaled"] / row["measured"] - 1))
