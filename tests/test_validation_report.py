@@ -16,11 +16,12 @@ from tests.conftest import compose_exp
 
 
 def write_fake_run(path: Path, backend: str, split: str, decode_s: float, accepted: int,
-                   gamma: int = 4, round_s: float = 0.0) -> None:
+                   gamma: int = 4, round_s: float = 0.0, schedule: str = "sync") -> None:
     """One request of 40 tokens decoded in `decode_s`; every round keeps `accepted` guesses and
     lasts `round_s`."""
     exp = compose_exp(f"backend={backend}", "pair=smollm2_135m+ngram3", "hardware=local",
-                      "workload=humaneval", f"workload.split={split}", f"schedule.gamma={gamma}")
+                      "workload=humaneval", f"workload.split={split}",
+                      *((f"schedule.gamma={gamma}",) if schedule != "ar" else ()), f"schedule={schedule}")
     rec = RunRecorder()
     generated, r = 0, 0
     while generated < 40:
@@ -60,7 +61,7 @@ def test_report_writes_validation_csv_and_parity_plot(sweep: Path, tmp_path: Pat
     md = build_report([sweep], out).read_text()
     csv = pd.read_csv(out / "validation.csv")
     assert list(csv.columns) == ["schedule", "pair", "hardware", "target_gpus", "draft_gpus", "nodes",
-                                 "gamma", "workload", "temperature", "seed", "split", "metric",
+                                 "gamma", "workload", "temperature", "seed", "split", "family", "metric",
                                  "predicted", "measured", "error_pct"]
     assert {"tokens_per_s", "tpot_ms", "mean_accepted_len"} <= set(csv["metric"])
     assert (out / "parity.png").stat().st_size > 0
@@ -89,3 +90,16 @@ def test_real_predicting_real_is_the_timing_noise(tmp_path: Path) -> None:
     assert noise["error_pct"].iloc[0] == pytest.approx(-40.0)
     md = build_report([tmp_path], tmp_path / "report").read_text()
     assert "Real predicting real" in md and (tmp_path / "report" / "validation_noise.csv").exists()
+
+
+def test_errors_per_schedule_family_with_p90(sweep: Path, tmp_path: Path) -> None:
+    write_fake_run(sweep / "4", "real", "holdout", decode_s=1.0, accepted=0, schedule="ar")
+    write_fake_run(sweep / "5", "sim", "holdout", decode_s=0.9, accepted=0, schedule="ar")
+    val = validation_frame(find_runs([sweep]))
+    assert set(val["family"]) == {"sync", "ar"}
+    md = build_report([sweep], tmp_path / "r").read_text()
+    table = md.split("Per schedule family")[1].split("\n\n", 2)[1]
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]) for line in table.splitlines()[2:]}
+    assert ("sync", "tokens_per_s") in rows and ("ar", "tokens_per_s") in rows
+    ar_tps = val[(val["family"] == "ar") & (val["metric"] == "tokens_per_s")]["error_pct"]
+    assert ar_tps.iloc[0] == pytest.approx(100 * (1.0 / 0.9 - 1))  # ar: 40 tok in 0.9 s vs 1.0 s
