@@ -85,3 +85,11 @@ def test_real_run_with_repeats_writes_intervals(tmp_path) -> None:  # type: igno
         lo, hi = x[f"{key}_ci95"]
         assert lo <= x[f"{key}_median"] <= hi
     assert result.baseline is not None and len(result.recorder.requests) == 2
+    # summary.json carries them, and the report shows them with error bars
+    from testbed.report import build_report
+    from testbed.results import write_run
+
+    summary = write_run(tmp_path / "run", exp, result)
+    assert summary["repeats"] == 2 and len(summary["speedup_ci95"]) == 2
+    md = build_report([tmp_path / "run"], tmp_path / "report", figures=True).read_text()
+    assert "Repeated measurements" in md and (tmp_path / "report" / "repeats_error_bars.png").exists()
