@@ -148,6 +148,7 @@ class SimConfig:
     t_target_ms: float = 25.0  # analytic: one target forward (all stages together)
     profile_path: str | None = None  # profile: latency tables written by +calibrate
     profile_rescale: bool = False  # profile + acceptance=trace: scale to the trace runs' round times
+    prediction_resamples: int = 0  # acceptance=trace: > 0 adds 95% prediction intervals (bootstrap)
 
 
 @dataclass
@@ -420,6 +421,7 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _choice("real.dtype", exp.real.dtype, ("fp32", "bf16", "fp16"))
     _int_range("real.threads", exp.real.threads, 0, 1024)
     _int_range("real.repeats", exp.real.repeats, 1, 1000)
+    _int_range("sim.prediction_resamples", exp.sim.prediction_resamples, 0, 10000)
     _float_range("real.recv_timeout_s", exp.real.recv_timeout_s, 0.0, 3600.0, lo_open=True)
     _choice("real.allreduce", exp.real.allreduce, ("shm", "gloo"))
     return exp

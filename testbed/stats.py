@@ -96,3 +96,12 @@ def ratio_ci(numerator: Any, denominator: Any, *, confidence: float = CONFIDENCE
 def relative_width(iv: Interval) -> float:
     """(high − low) / value: how wide the interval is relative to the figure."""
     return (iv.high - iv.low) / iv.value if iv.value else float("inf")
+
+
+def percentile_interval(value: float, samples: Any, *, confidence: float = CONFIDENCE) -> Interval:
+    """`value` with the percentile interval of its bootstrap replicates `samples`."""
+    a = np.asarray(samples, dtype=float)
+    if a.size == 0 or not np.isfinite(a).any():
+        raise ValueError("samples must hold at least one finite bootstrap replicate")
+    lo, hi = _percentiles(a, confidence)
+    return Interval(float(value), lo, hi, confidence, int(np.isfinite(a).sum()))
