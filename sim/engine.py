@@ -18,7 +18,7 @@ import time
 import simpy
 
 from sim.context import SimContext, SimRequest
-from sim.cost import make_cost_model
+from sim.cost import CostModel, make_cost_model
 from sim.oracle import TokenOracle, make_oracle
 from sim.schedules import get_schedule
 from testbed.config import ExperimentConfig
@@ -55,12 +55,14 @@ def make_requests(exp: ExperimentConfig) -> list[SimRequest]:
 
 
 def simulate(exp: ExperimentConfig, requests: list[SimRequest], seed: int,
-             keep_spans: bool = True, extra: dict | None = None, oracle: TokenOracle | None = None) -> RunRecorder:
-    """Run the schedule over the requests; schedules' summary fields go into `extra`. `oracle`:
-    a token oracle to use instead of the experiment's (sim/prediction_interval.py)."""
+             keep_spans: bool = True, extra: dict | None = None, oracle: TokenOracle | None = None,
+             cost: CostModel | None = None) -> RunRecorder:
+    """Run the schedule over the requests; schedules' summary fields go into `extra`. `oracle`,
+    `cost`: to use instead of the experiment's (sim/prediction_interval.py reuses one cost
+    model over many resampled oracles)."""
     env = simpy.Environment()
     rec = RunRecorder(keep_spans=keep_spans)
-    ctx = SimContext(exp=exp, env=env, cost=make_cost_model(exp),
+    ctx = SimContext(exp=exp, env=env, cost=cost if cost is not None else make_cost_model(exp),
                      oracle=oracle if oracle is not None else make_oracle(exp, seed), rec=rec)
     schedule = get_schedule(schedule_impl(exp))
 

@@ -48,12 +48,16 @@ def prediction_interval(exp: ExperimentConfig, requests: list[Any], recorder: An
     baseline_requests = baseline.frames()[1] if baseline is not None else None
     rounds, reqs, _ = recorder.frames()
     point = summarize(rounds, reqs, exp.schedule.gamma, baseline_requests)
+    from sim.cost import make_cost_model
+
     traces = load_trace(exp)
+    cost = make_cost_model(exp)  # once: a profile's load and rescale fit do not change
     rng = random.Random(exp.seed)
     samples: dict[str, list[float]] = {m: [] for m in METRICS}
     for _ in range(exp.sim.prediction_resamples):
         oracle = ResampledTraceOracle(exp, exp.seed, resample_traces(traces, rng))
-        rounds, reqs, _ = simulate(exp, requests, seed=exp.seed, keep_spans=False, oracle=oracle).frames()
+        rounds, reqs, _ = simulate(exp, requests, seed=exp.seed, keep_spans=False, oracle=oracle,
+                                  cost=cost).frames()
         s = summarize(rounds, reqs, exp.schedule.gamma, baseline_requests)
         for m in METRICS:
             if s.get(m) is not None:

@@ -19,6 +19,7 @@ import seaborn as sns
 from testbed import backends
 from testbed.metrics import KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
+from testbed.report.validate_intervals import add_interval_columns, inside_share
 from testbed.results import Run
 from testbed.results import run_split as split_of
 from testbed.workloads import TRACE_SOURCE, TRACE_SPLITS
@@ -61,6 +62,7 @@ def validation_frame(runs: list[Run]) -> pd.DataFrame:
     out = wide.rename(columns={"sim": "predicted", "real": "measured"})
     out = out[[*JOIN, "metric", "predicted", "measured"]]
     out["error_pct"] = 100.0 * (out["predicted"] - out["measured"]) / out["measured"]
+    out = add_interval_columns(out, runs, JOIN, METRICS, run_split)
     order = {m: i for i, m in enumerate(METRICS)}
     out = out.sort_values(["metric", *JOIN], key=lambda c: c.map(order) if c.name == "metric" else c)
     return out.reset_index(drop=True)
@@ -221,6 +223,8 @@ def validation(ctx: ReportContext) -> str:
                  "measured = `backend=real`, joined on the experiment key and prompt split "
                  "(written to `validation.csv`).\n")
     lines.append(markdown_table(stats, floatfmt="{:.2f}") + "\n")
+    if inside_share(val):
+        lines.append(inside_share(val) + "\n")
     varying = [k for k in JOIN if val[k].astype(str).nunique() > 1]
     table = val[val["metric"].isin(PARITY_METRICS)].pivot_table(
         index=varying or ["pair"], columns="metric", values="error_pct", aggfunc="mean").reset_index()
