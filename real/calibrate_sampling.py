@@ -25,6 +25,7 @@ import torch
 from testbed.spec.sampling import SamplingParams, standardize
 
 DEFAULT_TOP_K, DEFAULT_TOP_P, SAMPLE_TEMPERATURE = 50, 0.9, 1.0
+PROMPT_TOKENS = 128  # logits of a real prompt's last positions; a longer prefill adds nothing
 
 
 def mode_params(temperature: float = SAMPLE_TEMPERATURE, top_k: int = DEFAULT_TOP_K,
@@ -53,7 +54,7 @@ def time_modes(logits: torch.Tensor, params: dict[str, SamplingParams], passes: 
 
 def prompt_logits(model: Any, ids: list[int], rows: int) -> torch.Tensor:
     """The last `rows` next-token logits of `model` (a real.model Transformer) over `ids`."""
-    ids = ids[: max(rows, min(len(ids), model.max_seq - 1))]
+    ids = ids[: max(rows, min(len(ids), model.max_seq - 1, PROMPT_TOKENS))]
     with torch.inference_mode():
         logits = model(torch.tensor([ids]), input_pos=0)[0]
     return logits[-rows:].float().clone()
