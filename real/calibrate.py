@@ -431,6 +431,8 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
             log(f"{len(pr.fns)} probes x {grid.repeats} interleaved passes; models: {', '.join(builders)}")
             pr.run(grid.repeats, log=log)
             models = {name: build() for name, build in builders.items()}
+            from real.calibrate_sampling import add_sampling_tables  # per mode: top-k/top-p extra
+            add_sampling_tables(exp, target, prompt, models, drafts_to_measure(exp), log=log)
             _log_tables(models, log)
             threads = torch.get_num_threads()
     finally:

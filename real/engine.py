@@ -98,6 +98,9 @@ def run(exp: ExperimentConfig) -> RunResult:
     from testbed.placement import make_placement
 
     placement = make_placement(exp)
+    if placement.layout == "async" and exp.real.repeats > 1:
+        raise RealSetupError(f"real.repeats={exp.real.repeats} is not supported with schedule=async yet: "
+                             "use real.repeats=1 (or a sync/serial-tree schedule)")
     if placement.layout == "async":  # two groups, each rank runs its group's half: real/async_run.py
         from real.async_run import run_async
 
@@ -138,10 +141,22 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
     progress = exp.real.progress and leader
     telemetry = Telemetry(exp.real.device)
     schedule_extra: dict = {}
-    with telemetry if leader else contextlib.nullcontext():
-        rec = serve(exp, schedule_impl(exp), target, draft, requests, eos, progress, schedule_extra)
-    baseline = None
-    if exp.schedule.name != "ar" and exp.real.baseline:
+    want_baseline = exp.schedule.name != "ar" and exp.real.baseline
+    if exp.real.repeats > 1:  # interleaved: the run, ar, the run, ar, ... (real/repeats.py)
+        from real.repeats import serve_interleaved
+
+        def measure(impl: str, extra: dict | None) -> RunRecorder:
+            return serve(exp, impl, target, None if impl == "ar" else draft, requests, eos, progress, extra)
+        with telemetry if leader else contextlib.nullcontext():
+            rec, baseline, repeat_fields = serve_interleaved(
+                schedule_impl(exp), exp.real.repeats, want_baseline, measure, schedule_extra, seed=exp.seed)
+        schedule_extra.update(repeat_fields)
+        want_baseline = False
+    else:
+        with telemetry if leader else contextlib.nullcontext():
+            rec = serve(exp, schedule_impl(exp), target, draft, requests, eos, progress, schedule_extra)
+        baseline = None
+    if want_baseline:
         key = baseline_key(exp, requests)
         if key not in _BASELINES:
             _BASELINES[key] = serve(exp, "ar", target, None, requests, eos, progress)

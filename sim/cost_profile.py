@@ -25,6 +25,11 @@ is read at (k, context) clamped to the TP grid. An early-exit draft uses the tar
 an n-gram draft none. Profiles of schema 1 (no TP tables) serve TP 1 (both shapes as chains);
 a run at TP > 1 on one fails with one line asking to recalibrate.
 
+Sampling mode (real/calibrate_sampling.py): the forward tables include standardizing at their
+temperature class (argmax; a T=1 softmax). A run with top-k and/or top-p also pays, per draft
+token and per verified distribution, ``sampling.seconds[mode] - seconds[class mode]`` of the
+model's "sampling" node; a profile without it charges nothing extra and says so once (log).
+
 ``sim.profile_rescale=true`` with ``acceptance=trace``: the tables keep their shape in context
 but are scaled to the round times the trace's real runs recorded — per role, and for the target
 per k where enough rounds verified k tokens (on a shared machine the speed, and even the shape
@@ -142,12 +147,27 @@ class ShapeFactor:
         return table(kc, cc) / base if base > 0 else 1.0
 
 
+def sampling_extra(model: dict[str, Any], mode: str) -> float | None:
+    """Seconds per distribution that `mode` costs beyond what the model's forward tables
+    include (their class's own mode); None when the profile did not measure sampling."""
+    node = model.get("sampling")
+    if not node or mode not in node.get("seconds", {}):
+        return None
+    base = "greedy" if mode == "greedy" else "temperature"
+    return max(0.0, float(node["seconds"][mode]) - float(node["seconds"].get(base, 0.0)))
+
+
 class ProfileCost(CostModel):
     def __init__(self, exp: ExperimentConfig, profile: dict[str, Any] | None = None,
                  path: Path | None = None) -> None:
+        from testbed.spec.sampling import SamplingParams, sampling_mode
+
         self.path = path or profile_path(exp)
         self.profile = profile if profile is not None else load_profile(self.path)
         self.temp = temperature_class(exp.sampling.temperature)
+        self.sampling_mode = sampling_mode(SamplingParams(
+            exp.sampling.temperature, top_k=exp.sampling.top_k, top_p=exp.sampling.top_p))
+        self.sampling_extra_s: dict[str, float] = {}  # per distribution, by role
         self.gamma = max(1, exp.schedule.gamma)
         self.names = {"target": exp.pair.target.name, "draft": exp.pair.draft.name}
         self.kinds = {"target": exp.pair.target.kind, "draft": exp.pair.draft.kind}
@@ -211,6 +231,15 @@ class ProfileCost(CostModel):
             self._accept = Table1D(self._by_temp(m["accept"]), "k")
         pf = m.get("prefill")
         self._prefill[role] = Table1D(pf, "prompt_len") if pf else None
+        extra = None if m.get("kind") == "ngram" else sampling_extra(m, self.sampling_mode)
+        if extra is None and m.get("kind") != "ngram" and self.sampling_mode.startswith("top"):
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "profile %s has no sampling costs for %s: %s charged as plain temperature "
+                "sampling; measure it again with `%s`", self.path, self.names[role],
+                self.sampling_mode, CALIBRATE_CMD)
+        self.sampling_extra_s[role] = extra or 0.0
         self._factor[role] = self._bind_tp(role, m)
 
     def _bind_tp(self, role: str, m: dict[str, Any]) -> ShapeFactor | None:
@@ -323,9 +352,15 @@ class ProfileCost(CostModel):
                 t *= factor(shape, tokens, context)
             if role == "target":
                 t += self._pick if self._accept is None else self._accept(tokens)
+        n_layers = hi = 0
         if layers is not None:
             lo, hi = layers
-            t *= (hi - lo) / max(1, self.profile["models"][self.names[role]].get("layers", hi - lo))
+            n_layers = max(1, self.profile["models"][self.names[role]].get("layers", hi - lo))
+            t *= (hi - lo) / n_layers
+        if layers is None or hi >= n_layers:  # the last stage standardizes: one distribution
+            # per verified position / drafted token (a tree expansion drafts from each node)
+            per_forward = tokens if role == "target" or shape == "tree" else 1
+            t += per_forward * self.sampling_extra_s.get(role, 0.0)
         return t
 
     def prefill(self, role: Role, prompt_len: int) -> float:

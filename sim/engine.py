@@ -18,8 +18,8 @@ import time
 import simpy
 
 from sim.context import SimContext, SimRequest
-from sim.cost import make_cost_model
-from sim.oracle import make_oracle
+from sim.cost import CostModel, make_cost_model
+from sim.oracle import TokenOracle, make_oracle
 from sim.schedules import get_schedule
 from testbed.config import ExperimentConfig
 from testbed.recorder import RunRecorder, RunResult
@@ -55,11 +55,15 @@ def make_requests(exp: ExperimentConfig) -> list[SimRequest]:
 
 
 def simulate(exp: ExperimentConfig, requests: list[SimRequest], seed: int,
-             keep_spans: bool = True, extra: dict | None = None) -> RunRecorder:
-    """Run the schedule over the requests; schedules' summary fields go into `extra`."""
+             keep_spans: bool = True, extra: dict | None = None, oracle: TokenOracle | None = None,
+             cost: CostModel | None = None) -> RunRecorder:
+    """Run the schedule over the requests; schedules' summary fields go into `extra`. `oracle`,
+    `cost`: to use instead of the experiment's (sim/prediction_interval.py reuses one cost
+    model over many resampled oracles)."""
     env = simpy.Environment()
     rec = RunRecorder(keep_spans=keep_spans)
-    ctx = SimContext(exp=exp, env=env, cost=make_cost_model(exp), oracle=make_oracle(exp, seed), rec=rec)
+    ctx = SimContext(exp=exp, env=env, cost=cost if cost is not None else make_cost_model(exp),
+                     oracle=oracle if oracle is not None else make_oracle(exp, seed), rec=rec)
     schedule = get_schedule(schedule_impl(exp))
 
     def serve_all():  # type: ignore[no-untyped-def]
@@ -108,6 +112,10 @@ def _run(exp: ExperimentConfig) -> RunResult:
              "alpha_config": exp.acceptance.alpha if exp.acceptance.oracle != "trace" else None,
              "sim_c": exp.sim.c if exp.sim.cost_model == "analytic" else None,
              **schedule_extra}
+    if exp.sim.prediction_resamples and exp.acceptance.oracle == "trace":
+        from sim.prediction_interval import prediction_interval  # <metric>_pi95
+
+        extra.update(prediction_interval(exp, requests, rec, baseline))
     # wall-clock facts stay out of summary.json, which must be identical for the same seed
     info = {"sim_wall_s": wall, "sim_tokens_per_wall_s": generated / wall if wall > 0 else None}
     return RunResult(recorder=rec, baseline=baseline, extra=extra, artifacts={"run_info.json": info})

@@ -6,7 +6,14 @@ norm, LM head, logits gather, sampling, host overhead). One instance of an op ta
 
     max(HBM bytes / achieved bandwidth, FLOPs / achieved peak) + kernels * launch_us + fixed
 
-where ``fixed`` is the α–β time of a collective or attention's split-KV synchronisation. Bytes and
+where ``fixed`` is the α–β time of a collective or attention's split-KV synchronisation.
+
+What does not shrink with the TP degree: every kernel's minimum time (``launch_us`` times the
+kernels of a layer times the layers: a per-forward fixed cost that grows with the model's depth),
+the all-reduce latency (growing by ``allreduce_per_peer_us`` per GPU), and the per-forward
+synchronisation of the TP group's workers (``tp_sync_us`` per GPU beyond the first: the serving
+framework hands every forward's inputs to each worker and waits for all of them). The last one is
+what makes a small model slower on 4 GPUs than on 2 (seed 002 §1, Table 1). Bytes and
 FLOPs are affine in the context length, so a forward is a convex piecewise-affine function of it
 (``sim.cost_roofline`` uses that to answer in O(1)).
 
@@ -32,9 +39,14 @@ HBM_EFFICIENCY = 0.6545  # achieved fraction of datasheet HBM bandwidth
 ATTENTION_SYNC_US = 3.03  # split-KV attention: fixed time beyond its 3 kernels (sync, reduction)
 ALLREDUCE_PER_PEER_US = 0.54  # one-shot all-reduce: latency added by each GPU beyond 2
 # Fitted to SwiftSpec's two whole-forward figures (§5.3 Llama-3B TP4 3.54 ms; §1 ~30 s for ~3000
-# tokens of int4 Llama-70B on 8 H800 ≈ 10 ms/token), errors -1% / +2%: host-side graph launch,
-# sampling and the device-to-host sync of the result, once per forward (on the last stage).
-FORWARD_OVERHEAD_US = 1448.0
+# tokens of int4 Llama-70B on 8 H800 ≈ 10 ms/token) beside TP_SYNC_US, errors -2% / +6% (without
+# the TP sync: 1448 us, -1% / +2%): host-side graph launch, sampling and the device-to-host sync
+# of the result, once per forward (on the last stage).
+FORWARD_OVERHEAD_US = 969.9
+# Per-forward synchronisation of the TP group, per GPU beyond the first. Set to the smallest value
+# that reproduces seed 002 §1 (at batch 8 a Llama-3B gets slower from TP 2 to TP 4; the margin is
+# sim.roofline_calibration.TP_SHAPE_MARGIN), then FORWARD_OVERHEAD_US refitted beside it.
+TP_SYNC_US = 137.9
 # Assumed, not fitted (the calibration data are memory-bound): dense GEMMs reach ~70% of the
 # datasheet peak, FlashAttention-2 kernels ~50% (FA3 paper: FA2 35-50% on H100, FA3 up to 75%).
 GEMM_FLOP_EFFICIENCY = 0.70
@@ -49,6 +61,7 @@ class Calibration:
     attention_sync_us: float = ATTENTION_SYNC_US
     allreduce_per_peer_us: float = ALLREDUCE_PER_PEER_US
     forward_overhead_us: float = FORWARD_OVERHEAD_US
+    tp_sync_us: float = TP_SYNC_US
 
 
 DEFAULT_CALIBRATION = Calibration()
@@ -196,6 +209,9 @@ def forward_ops(model: ModelConfig, hw: HardwareConfig, tp: int, tokens: int,
                    flops0=5.0 * t * model.vocab),
                 Op("host_overhead", "other", 1, 0, bw, gemm_peak,
                    fixed_s=cal.forward_overhead_us * 1e-6)]
+        if tp > 1:
+            ops.append(Op("tp_sync", "allreduce", 1, 0, bw, gemm_peak,
+                          fixed_s=cal.tp_sync_us * (tp - 1) * 1e-6))
     return ops
 
 

@@ -152,6 +152,7 @@ class SimConfig:
     # profile: `probe` scales the profile's times by its bandwidth probe / the probe run now
     # (testbed/machine.py): the machine's drift, without a run of the configuration
     profile_drift: str = "none"  # none | probe
+    prediction_resamples: int = 0  # acceptance=trace: > 0 adds 95% prediction intervals (bootstrap)
 
 
 @dataclass
@@ -182,6 +183,7 @@ class RealConfig:
     recv_timeout_s: float = 20.0  # multi-process runs: a receive or collective waits at most this
     allreduce: str = "shm"  # tensor-parallel all-reduce: shm (same host, polled) | gloo
     allow_concurrent: bool = False  # true: real jobs of sweeps may run at once on this host
+    repeats: int = 1  # > 1: measure the run and its `ar` baseline this often, interleaved (CIs)
 
 
 @dataclass
@@ -426,6 +428,8 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
                           "this machine: python -m testbed backend=real +calibrate)")
     _choice("real.dtype", exp.real.dtype, ("fp32", "bf16", "fp16"))
     _int_range("real.threads", exp.real.threads, 0, 1024)
+    _int_range("real.repeats", exp.real.repeats, 1, 1000)
+    _int_range("sim.prediction_resamples", exp.sim.prediction_resamples, 0, 10000)
     _float_range("real.recv_timeout_s", exp.real.recv_timeout_s, 0.0, 3600.0, lo_open=True)
     _choice("real.allreduce", exp.real.allreduce, ("shm", "gloo"))
     return exp

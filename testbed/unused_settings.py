@@ -66,6 +66,7 @@ def unused_settings(exp: ExperimentConfig) -> dict[str, str]:
         out["sim.profile_*"] = "sim.cost_model=profile"
     if exp.acceptance.oracle != "trace":
         out["acceptance.trace_path"] = "acceptance=trace"
+        out["sim.prediction_resamples"] = "acceptance=trace (a bootstrap over the trace's prompts and rounds)"
     if exp.acceptance.oracle != "synthetic":
         out["acceptance.vocab"] = "acceptance=synthetic"
     if exp.acceptance.oracle == "trace":

@@ -28,6 +28,11 @@ def test_quick_calibration_feeds_the_profile_cost_model(tmp_path: Path) -> None:
     assert {"smollm2_135m", "smollm2_exit10", "ngram3"} <= set(prof["models"])
     fwd = prof["models"]["smollm2_135m"]["forward"]["greedy"]
     assert len(fwd["seconds"]) == len(grid.context) and len(fwd["seconds"][0]) == len(grid.target_k)
+    from testbed.spec.sampling import SAMPLING_MODES
+    for name in ("smollm2_135m", "smollm2_exit10"):  # per mode, on the model's vocabulary
+        node = prof["models"][name]["sampling"]
+        assert set(node["seconds"]) == set(SAMPLING_MODES) and node["vocab"] == 49152
+    assert "sampling" not in prof["models"]["ngram3"]  # one-hot q: nothing to standardize
     for row in fwd["seconds"]:  # smoothed tables never decrease in k
         assert all(b >= a > 0 for a, b in zip(row, row[1:]))
     sim = compose_exp("pair=smollm2_135m+smollm2_exit10", "hardware=local", "sim.cost_model=profile",

@@ -91,9 +91,30 @@ def test_stored_constants_are_the_least_squares_fit() -> None:
                       (cal.attention_sync_us, stored.attention_sync_us),
                       (cal.allreduce_per_peer_us, stored.allreduce_per_peer_us),
                       (cal.forward_overhead_us, stored.forward_overhead_us),
+                      (cal.tp_sync_us, stored.tp_sync_us),
                       (hw.gpu.launch_us, H800.gpu.launch_us),
                       (hw.allreduce_alpha_us, H800.allreduce_alpha_us)]:
         assert got == pytest.approx(want, rel=0.02, abs=0.02)
+
+
+@pytest.mark.parametrize("small", ["llama3_2_1b", "llama3_2_3b"])
+def test_small_model_is_slower_on_4_gpus_than_on_2(small: str) -> None:
+    # seed 002 §1 / Table 1: at batch 8 a Llama-3B draft takes longer on 4 GPUs than on 2
+    t2, t4 = (forward_cost(_model(small), H800, tp, 8, 512).total_s for tp in (2, 4))
+    assert t4 > t2, (small, t2, t4)
+
+
+def test_70b_keeps_getting_faster_up_to_8_gpus() -> None:
+    # ... while the 70B target still improves clearly (by more than 10% per doubling)
+    t = [forward_cost(_model("llama3_70b"), H800, tp, 8, 512).total_s for tp in (1, 2, 4, 8)]
+    assert all(b < 0.9 * a for a, b in zip(t, t[1:])), t
+
+
+def test_tp_sync_grows_with_the_group() -> None:
+    m = _model("llama3_2_3b")
+    sync = [sum(o.fixed_s for o in forward_ops(m, H800, tp, 8) if o.name == "tp_sync")
+            for tp in (1, 2, 4, 8)]
+    assert sync[0] == 0.0 and sync[1] < sync[2] < sync[3], sync
 
 
 # ----------------------------------------------------------------------------------- invariants

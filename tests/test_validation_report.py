@@ -62,7 +62,8 @@ def test_report_writes_validation_csv_and_parity_plot(sweep: Path, tmp_path: Pat
     csv = pd.read_csv(out / "validation.csv")
     assert list(csv.columns) == ["schedule", "pair", "hardware", "target_gpus", "draft_gpus", "nodes",
                                  "gamma", "workload", "temperature", "seed", "split", "family", "metric",
-                                 "predicted", "measured", "error_pct"]
+                                 "predicted", "measured", "error_pct", "predicted_low",
+                                 "predicted_high", "measured_low", "measured_high", "inside"]
     assert {"tokens_per_s", "tpot_ms", "mean_accepted_len"} <= set(csv["metric"])
     assert (out / "parity.png").stat().st_size > 0
     assert "median |error| 25.0 %" in md and "NOT met" in md

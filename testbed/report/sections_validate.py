@@ -19,6 +19,7 @@ import seaborn as sns
 from testbed import backends
 from testbed.metrics import KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
+from testbed.report.validate_intervals import add_interval_columns, inside_share
 from testbed.results import Run
 from testbed.results import run_split as split_of
 from testbed.workloads import TRACE_SOURCE, TRACE_SPLITS
@@ -62,6 +63,7 @@ def validation_frame(runs: list[Run]) -> pd.DataFrame:
     out = wide.rename(columns={"sim": "predicted", "real": "measured"})
     out = out[[*JOIN, "family", "metric", "predicted", "measured"]]
     out["error_pct"] = 100.0 * (out["predicted"] - out["measured"]) / out["measured"]
+    out = add_interval_columns(out, runs, JOIN, METRICS, run_split)
     order = {m: i for i, m in enumerate(METRICS)}
     out = out.sort_values(["metric", *JOIN], key=lambda c: c.map(order) if c.name == "metric" else c)
     return out.reset_index(drop=True)
@@ -137,6 +139,7 @@ def rescaled_prediction(run: Run) -> float | None:
             return None
         exp.pair.name = run.summary.get("pair", exp.pair.name)
         exp.sim.profile_rescale, exp.sim.profile_drift = True, "none"
+        exp.sim.prediction_resamples = 0  # the point prediction is what is compared
         summary = build_summary(exp, backends.get("sim").run(exp))
     except (ConfigError, FileNotFoundError, ValueError, KeyError):
         return None
@@ -283,6 +286,8 @@ def validation(ctx: ReportContext) -> str:
                  "measured = `backend=real`, joined on the experiment key and prompt split "
                  "(written to `validation.csv`).\n")
     lines.append(markdown_table(stats, floatfmt="{:.2f}") + "\n")
+    if inside_share(val):
+        lines.append(inside_share(val) + "\n")
     if val["family"].nunique() > 1:
         fam = error_stats(val[val["metric"].isin(PARITY_METRICS)], by=("family", "metric"))
         lines.append(f"Per schedule family (goal: tokens/s median |error| ≤ {TARGET_MEDIAN:g} %, "

@@ -116,3 +116,18 @@ def _keep_head(x: torch.Tensor, probs_sorted: torch.Tensor, idx: torch.Tensor,
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One token from a probability vector [V]."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+SAMPLING_MODES = ("greedy", "temperature", "top_k", "top_p", "top_k_top_p")
+
+
+def sampling_mode(params: SamplingParams) -> str:
+    """Which of SAMPLING_MODES `standardize` runs for `params` (its cost depends only on this,
+    the vocabulary and the shape of the logits): the calibration times each, the simulator
+    charges the experiment's."""
+    if params.greedy:
+        return "greedy"
+    top_k, top_p = params.top_k > 0, params.top_p < 1.0
+    if top_k and top_p:
+        return "top_k_top_p"
+    return "top_k" if top_k else "top_p" if top_p else "temperature"
