@@ -19,7 +19,12 @@ from real.errors import RealSetupError, WorkerFailed
 from real.links import Kind, LoopbackTransport, Message
 from real.model import ModelArgs, Transformer
 from real.pipeline import Stage, pack_dists, stage_worker, stop, unpack_dists
-from real.schedules.decentralized import WindowVerifier, alpha_from_tokens, draft_params, dsd_first_stage
+from real.schedules.decentralized import (
+    WindowVerifier,
+    alpha_from_tokens,
+    draft_params,
+    dsd_first_stage,
+)
 from testbed.links import draft_dists_bytes, dsd_window_bytes
 from testbed.metrics import divergence
 from testbed.recorder import RunRecorder
