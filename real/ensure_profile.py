@@ -75,11 +75,15 @@ def missing_draft_weights(pairs: list[str]) -> list[str]:
 
 
 class EnsureProfile(Callback):
-    def __init__(self, force: bool = False) -> None:
+    def __init__(self, force: bool = False, backend: str | None = None) -> None:
         self.force = force
+        self.backend = backend  # only for sweeps on this backend (`+sweep=wan`: real only)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         import sys
+
+        if self.backend is not None and config.get("backend") != self.backend:
+            return
 
         from real.calibrate import calibrate, profile_path
 

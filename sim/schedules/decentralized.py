@@ -82,7 +82,8 @@ def _summary(ctx: SimContext, pipe: Pipeline, acc: dict[str, float]) -> dict[str
         "t0_ms": 1e3 * t0, "t1_ms": 1e3 * t1,
         # DSD eq. (5) with the measured mean accepted length k and the loop's L·t1
         "comm_reduction_eq5": dsd_comm_reduction(k, t0, t1, links + 1) if k == k else None,
-        "key_token_fraction": acc["key"] / acc["drafted"] if s.adaptive and acc["drafted"] else None,
+        "key_token_fraction": acc["key"] / acc["drafted"]
+        if s.adaptive and acc["drafted"] and exp.acceptance.oracle == "synthetic" else None,
         "theory_speedup": None, "theory_speedup_open_chain": None,
     }
     if exp.sim.cost_model == "analytic" and exp.acceptance.oracle == "iid" and exp.lookahead.policy == "static":
@@ -128,7 +129,7 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
         rec.span("draft", "draft", t_round, env.now, rid, r)
         q_bytes = draft_dists_bytes(gamma, vocab=exp.pair.target.vocab, topk=s.draft_topk) if sends_q else 0
         target_s = yield from pipe.forward(gamma + 1, seq_len - 1, rid, r, "verify", q_bytes)
-        if s.adaptive:
+        if s.adaptive and isinstance(seq, SyntheticSequence):  # a trace replays the rule's outcomes
             outcome, key = adaptive_round(seq, gamma, s.tau, lambdas)
             acc["key"] += sum(key)
         else:
