@@ -51,7 +51,9 @@ def swept_pairs(config: DictConfig) -> list[str]:
             return str(o).split("=", 1)[1].split(",")
     sweeper = config.hydra.sweeper
     values = [(sweeper.get("params") or {}).get("pair")]
-    values += [(g or {}).get("pair") for g in (sweeper.get("grids") or {}).values()]  # hydra_plugins.specbed_sweeper
+    only = list(sweeper.get("only") or []) or None  # the grids that run (hydra_plugins.specbed_sweeper)
+    values += [(g or {}).get("pair") for name, g in (sweeper.get("grids") or {}).items()
+               if only is None or name in only]
     return list(dict.fromkeys(p for v in values if v for p in str(v).split(",")))
 
 
