@@ -192,7 +192,8 @@ def summary(exp: ExperimentConfig, stages: list[StageServed], rec: RunRecorder,
         return out
     links = exp.placement.nodes if exp.placement.nodes > 1 else 0
     rounds, _, timeline = rec.frames()
-    hops = timeline[timeline.kind == "link"] if len(timeline) else timeline
+    # the windows' and answers' links (round >= 0): a prompt may wait for a stage still loading
+    hops = timeline[(timeline.kind == "link") & (timeline["round"] >= 0)] if len(timeline) else timeline
     t1 = float((hops.end_s - hops.start_s).mean()) if len(hops) else 0.0
     base_rounds = len(baseline.rounds) if baseline is not None else 0
     if base_rounds:  # one 1-token traversal of all stages, measured on the ar baseline
