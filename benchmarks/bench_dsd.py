@@ -83,6 +83,7 @@ def main() -> None:
                "speedup_median": statistics.median(s / b for s, b in zip(spec, base)),
                "eq9_speedup": x.get("theory_speedup"), "alpha": x.get("alpha_measured"),
                "c": x.get("c_measured"), "t0_ms": x.get("t0_ms"), "t1_ms": x.get("t1_ms"),
+               "t_window_ms": x.get("t_window_ms"),
                "tokens_per_round": x.get("tokens_per_round"), "comm_reduction_eq5": x.get("comm_reduction_eq5"),
                "nll_per_token": x.get("target_nll_per_token"), "ar_nll_per_token": x.get("baseline_nll_per_token"),
                "key_token_fraction": x.get("key_token_fraction"), "wall_s": time.time() - t}

@@ -200,13 +200,15 @@ def summary(exp: ExperimentConfig, stages: list[StageServed], rec: RunRecorder,
         t0 = sum(st.compute_s.get((BASELINE_PHASE, 1), 0.0) for st in stages) / base_rounds
     else:  # no baseline: a verification traversal (γ+1 tokens) stands in
         t0 = sum(st.compute_s.get((SCHEDULE_PHASE, 1), 0.0) for st in stages) / max(1, len(rounds))
+    # a window's traversal (γ+1 tokens): eq. 9 assumes it costs t0, a CPU's does not
+    t_window = sum(st.compute_s.get((SCHEDULE_PHASE, 1), 0.0) for st in stages) / max(1, len(rounds))
     k = float((rounds.accepted.sum() + len(rounds)) / len(rounds)) if len(rounds) else float("nan")
     alpha = alpha_from_tokens(k, s.gamma)
     c = float(rounds.draft_s.mean()) / (s.gamma * t0) if len(rounds) and t0 > 0 else float("nan")
     last = stages[-1]
     out.update({
         "adaptive": s.adaptive, "tau": s.tau if s.adaptive else 0.0, "draft_topk": s.draft_topk,
-        "t0_ms": 1e3 * t0, "t1_ms": 1e3 * t1, "alpha_measured": alpha, "c_measured": c,
+        "t0_ms": 1e3 * t0, "t1_ms": 1e3 * t1, "t_window_ms": 1e3 * t_window, "alpha_measured": alpha, "c_measured": c,
         "tokens_per_round": k,
         "comm_reduction_eq5": dsd_comm_reduction(k, t0, t1, links + 1) if k == k and t0 > 0 else None,
         "key_token_fraction": last.key / last.drafted if s.adaptive and last.drafted else None,

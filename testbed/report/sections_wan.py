@@ -70,6 +70,7 @@ def wan(ctx: ReportContext) -> str:
         row["α"] = r.get("alpha_measured")
         row["t0 ms"] = r.get("t0_ms")
         row["t1 ms"] = r.get("t1_ms")
+        row["window ms"] = r.get("t_window_ms")
         row["eq. 5 R_comm"] = r.get("comm_reduction_eq5")
         row["NLL/token"] = r.get("target_nll_per_token")
         row["NLL/token ar"] = r.get("baseline_nll_per_token")
