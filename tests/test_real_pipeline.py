@@ -270,3 +270,18 @@ def test_alpha_from_tokens_inverts_leviathan_eq_1() -> None:
 def test_divergence_against_a_lossless_reference() -> None:
     d = divergence([[1, 2, 3], [1, 2, 3], [4, 5]], [[1, 2, 3], [1, 9, 3], [4, 5]])
     assert d == {"identical_share": pytest.approx(2 / 3), "first_divergence_mean": pytest.approx(6 / 3)}
+
+
+# -------------------------------------------------------------------- the bundled pair
+@pytest.mark.model
+@pytest.mark.slow
+def test_bundled_pair_decentralized_equals_ar_at_temperature_0() -> None:
+    from real.engine import run
+
+    res = run(compose_exp("backend=real", "schedule=decentralized", "placement.nodes=3", "network=wan",
+                          "network.latency_ms=5", "workload.num_prompts=2", "workload.max_new_tokens=24",
+                          "real.ignore_eos=true", "real.progress=false", "real.recv_timeout_s=120"))
+    spec = [r["output_ids"] for r in res.recorder.requests]
+    assert spec == [r["output_ids"] for r in res.baseline.requests]
+    assert all(len(o) == 24 for o in spec) and res.extra["identical_share"] == 1.0
+    assert live_workers() == []
