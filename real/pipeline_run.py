@@ -111,6 +111,10 @@ def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: r
             verifiers[(msg.version, msg.request_id)] = v
             return v
 
+        if count > 1:  # every stage loaded before the first window: no receive waits on a load
+            import torch.distributed as dist
+
+            dist.barrier()
         if index == 0:
             _first_stage(stage, exp, served, requests, tokenizer, target, params, draft_slots,
                          make_verify, make_draft)
