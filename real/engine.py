@@ -105,6 +105,10 @@ def run(exp: ExperimentConfig) -> RunResult:
         from real.async_run import run_async
 
         return run_async(exp)
+    if placement.layout == "pipeline":  # one process per stage: real/pipeline_run.py
+        from real.pipeline_run import run_pipeline
+
+        return run_pipeline(exp)
     if placement.world_size > 1:
         return _run_spawned(exp)
     with _threads(exp.real.threads), torch.inference_mode():

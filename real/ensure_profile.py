@@ -53,7 +53,9 @@ def swept_pairs(config: DictConfig) -> list[str]:
             return str(o).split("=", 1)[1].split(",")
     sweeper = config.hydra.sweeper
     values = [(sweeper.get("params") or {}).get("pair")]
-    values += [(g or {}).get("pair") for g in (sweeper.get("grids") or {}).values()]  # hydra_plugins.specbed_sweeper
+    only = list(sweeper.get("only") or []) or None  # the grids that run (hydra_plugins.specbed_sweeper)
+    values += [(g or {}).get("pair") for name, g in (sweeper.get("grids") or {}).items()
+               if only is None or name in only]
     return list(dict.fromkeys(p for v in values if v for p in str(v).split(",")))
 
 
@@ -77,11 +79,15 @@ def missing_draft_weights(pairs: list[str]) -> list[str]:
 
 
 class EnsureProfile(Callback):
-    def __init__(self, force: bool = False) -> None:
+    def __init__(self, force: bool = False, backend: str | None = None) -> None:
         self.force = force
+        self.backend = backend  # only for sweeps on this backend (`+sweep=wan`: real only)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         import sys
+
+        if self.backend is not None and config.get("backend") != self.backend:
+            return
 
         from real.calibrate import calibrate, profile_path
 

@@ -97,6 +97,8 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
         raise ConfigError("acceptance.trace_path", str(path), f"an existing directory; {HOWTO}")
     # `ar` (a baseline) replays nothing: the rounds of either kind do
     wanted = {"sync_tree"} if exp.schedule.tree else {"sync"} if exp.schedule.name == "sync" else {"sync", "sync_tree"}
+    if exp.schedule.name == "decentralized":  # DSD replays DSD: its rounds hold the adaptive rule's outcomes
+        wanted = {"decentralized"}
     runs = [(d, s) for d, s in _runs_below(path) if s.get("schedule") in wanted
             and (d / "rounds.parquet").exists()]
     if (path / "summary.json").exists():
@@ -108,12 +110,16 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
     source = [(d, s) for d, s in runs if run_split(d, s) == TRACE_SOURCE.get(own, "calibrate")]
     if source:
         runs = source
+    elif exp.schedule.name == "decentralized" and any(run_split(d, s) == own for d, s in runs):
+        # `+sweep=wan`: a WAN prediction is about time, so it replays the measured grid point's
+        # own rounds (the preferences below pick that run)
+        runs = [(d, s) for d, s in runs if run_split(d, s) == own]
     elif own != "all":  # never replay the predicted prompts' own acceptance
         runs = [(d, s) for d, s in runs if run_split(d, s) not in (own, "all")]
     if exp.backend == "sim":
         real = [(d, s) for d, s in runs if s.get("backend") == "real"]
         runs = real or runs
-    for same in (_same_gamma, _same_tree, _same_tp):  # preferences, in order: narrow if any match
+    for same in (_same_gamma, _same_tree, _same_tp, _same_dsd):  # preferences, in order: narrow if any match
         runs = [(d, s) for d, s in runs if same(s, exp)] or runs
     return runs
 
@@ -126,6 +132,15 @@ def _same_tree(s: dict, exp: ExperimentConfig) -> bool:
     t = exp.schedule
     return not t.tree or (s.get("tree_width") == t.tree_width and s.get("tree_budget") == t.tree_budget
                           and s.get("tree_depth_used") == (t.tree_depth or t.gamma))
+
+
+def _same_dsd(s: dict, exp: ExperimentConfig) -> bool:
+    """A decentralized run of the same pipeline, links and relaxation (τ changes acceptance)."""
+    if exp.schedule.name != "decentralized":
+        return True
+    tau = exp.schedule.tau if exp.schedule.adaptive else 0.0
+    return (s.get("nodes") == exp.placement.nodes and s.get("latency_ms") == exp.network.latency_ms
+            and float(s.get("tau") or 0.0) == tau)
 
 
 def _same_tp(s: dict, exp: ExperimentConfig) -> bool:

@@ -18,7 +18,7 @@ from sim.context import SimContext, SimRequest
 from sim.links import Link
 from sim.quant import spec
 from sim.topology import Topology, build_topology
-from testbed.links import TOKEN_BYTES
+from testbed.links import TOKEN_BYTES, dsd_window_bytes
 
 __all__ = ["TOKEN_BYTES", "Pipeline", "ar_pipeline", "topology_for"]
 
@@ -43,7 +43,8 @@ class Pipeline:
         self.hops: list[Link] = [topo.link(a, b) for a, b in zip(self.names, self.names[1:])]
         self.back: Link | None = topo.link(self.names[-1], self.names[0]) if len(self.names) > 1 else None
         t = ctx.exp.pair.target
-        self.act_bytes_per_token = t.hidden * spec(t.quant).act_bytes
+        self.hidden, self.act_bytes = t.hidden, spec(t.quant).act_bytes
+        self.act_bytes_per_token = t.hidden * self.act_bytes
 
     @classmethod
     def of(cls, ctx: SimContext) -> Pipeline:
@@ -72,10 +73,12 @@ class Pipeline:
         return sum(h.mean_time(tokens * self.act_bytes_per_token) for h in self.hops) / len(self.hops)
 
     def forward(self, tokens: int, context: int, request_id: int, round_idx: int,
-                kind: str) -> Generator[Any, Any, float]:
-        """Run `tokens` tokens through every stage; returns the compute seconds spent."""
+                kind: str, dists_bytes: int = 0) -> Generator[Any, Any, float]:
+        """Run `tokens` tokens through every stage; returns the compute seconds spent. Each hop
+        carries what real/pipeline.py sends: activations, the tokens' ids and ``dists_bytes`` of
+        draft distributions (testbed.links.dsd_window_bytes)."""
         env, rec, fwd = self.ctx.env, self.ctx.rec, self.ctx.cost.forward
-        nbytes = tokens * self.act_bytes_per_token
+        nbytes = dsd_window_bytes(tokens, hidden=self.hidden, act_bytes=self.act_bytes, dists=dists_bytes)
         compute = 0.0
         last = len(self.names) - 1
         for i, (name, lay) in enumerate(zip(self.names, self.layers)):

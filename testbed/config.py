@@ -48,6 +48,9 @@ class ScheduleConfig:
     lambda1: float = 1.5  # DSD key token: H_draft / H_target > lambda1
     lambda2: float = 0.3  # DSD key token: |P_t(y) - P_d(y)| > lambda2
     lambda3: float = 0.5  # DSD key token: NormMatch(top-k overlap) < lambda3
+    # decentralized at temperature > 0: the draft samples from its top-k so its distributions
+    # travel exactly as k (value, index) pairs per guess; 0 = full rows (real/schedules/decentralized.py)
+    draft_topk: int = 64
 
 
 @dataclass
@@ -395,7 +398,8 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _choice("acceptance", a.oracle, ORACLES)
     _float_range("acceptance.alpha", a.alpha, 0.0, 1.0, hi_open=True)
     _int_range("acceptance.vocab", a.vocab, 2, 1 << 20)
-    if s.name == "decentralized" and s.adaptive and a.oracle == "iid":
+    _int_range("schedule.draft_topk", s.draft_topk, 0)
+    if exp.backend == "sim" and s.name == "decentralized" and s.adaptive and a.oracle == "iid":
         raise ConfigError("schedule.adaptive", s.adaptive, "false with acceptance=iid (DSD adaptive "
                           "verification needs token distributions: use acceptance=synthetic)")
 

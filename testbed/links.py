@@ -123,6 +123,21 @@ def dists_bytes(k: int, vocab: int, dtype_bytes: int = 4) -> int:
     return k * vocab * dtype_bytes
 
 
+def draft_dists_bytes(k: int, *, vocab: int, topk: int) -> int:
+    """k draft distributions as the decentralized window carries them at temperature > 0:
+    ``topk`` (fp32 value, int32 index) pairs per guess, or full fp32 rows when ``topk`` is 0
+    (real/schedules/decentralized.py says why top-k is still exactly lossless there)."""
+    if topk <= 0 or topk >= vocab:
+        return dists_bytes(k, vocab)
+    return k * topk * (4 + TOKEN_BYTES)
+
+
+def dsd_window_bytes(tokens: int, *, hidden: int, act_bytes: int, dists: int = 0) -> int:
+    """One decentralized window between stages: activations, the window's token ids and the
+    draft distributions' bytes ``dists`` (``draft_dists_bytes``, 0 when q is not sent)."""
+    return activation_bytes(tokens, hidden, act_bytes) + tokens_bytes(tokens) + dists
+
+
 def draft_window_bytes(k: int, *, vocab: int = 0, dist_dtype_bytes: int = 4) -> int:
     """A chain of k draft tokens, with their distributions when ``vocab`` > 0."""
     return tokens_bytes(k) + dists_bytes(k, vocab, dist_dtype_bytes)

@@ -93,3 +93,23 @@ def summarize(rounds: pd.DataFrame, requests: pd.DataFrame, gamma: int,
         "decode_s_total": _clean(float(requests["decode_s"].sum())) if len(requests) else None,
         "num_requests": len(requests),
     }
+
+
+def first_divergence(output: list[int], reference: list[int]) -> int:
+    """The first position where ``output`` differs from ``reference``; an identical output
+    counts its length (a prefix of the other counts the shorter length)."""
+    for i, (a, b) in enumerate(zip(output, reference)):
+        if a != b:
+            return i
+    return min(len(output), len(reference))
+
+
+def divergence(outputs: list[list[int]], reference: list[list[int]]) -> dict[str, Any]:
+    """Quality of a lossy decoding (DSD with τ > 0) against a lossless reference of the same
+    prompts: ``identical_share`` (outputs equal token for token) and ``first_divergence_mean``
+    (mean over requests of ``first_divergence``)."""
+    if not outputs or len(outputs) != len(reference):
+        return {"identical_share": None, "first_divergence_mean": None}
+    same = sum(o == r for o, r in zip(outputs, reference))
+    firsts = [first_divergence(o, r) for o, r in zip(outputs, reference)]
+    return {"identical_share": same / len(outputs), "first_divergence_mean": sum(firsts) / len(firsts)}

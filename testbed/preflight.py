@@ -301,43 +301,63 @@ def preflight(args: list[str], composed: dict[str, Any] | None = None) -> int:
                 composed["cfg"] = cfg
             return 1
         check_output_dir("hydra.sweep.dir", str(cfg.hydra.sweep.dir))
-        params = dict(cfg.hydra.sweeper.get("params") or {})
-        plain_keys = {o.get_key_element() for o in parsed if not o.is_sweep_override()}
-        for key, value in params.items():
-            if key not in sweeps and key not in plain_keys:
-                sweeps[key] = parser.parse_override(f"{key}={value}")
-        group_axes, value_axes = [], []
-        for key, o in sweeps.items():
-            values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [str(o.value())]
-            bare = key.lstrip("+~")
-            if _is_group(bare):
-                group_axes.append([f"{key}={v}" for v in values])
-            elif bare not in schema_types():
-                raise PreflightError(no_such_setting(bare))
-            else:
-                value_axes.append([(bare, v) for v in values])
-        needs_compose = _interpolated_keys(cfg) & {axis[0][0] for axis in value_axes}
-        exps, n = [], 0
-        for groups in itertools.product(*group_axes):
-            gcfg = _compose(plain + list(groups)) if groups else cfg
-            base = _experiment(gcfg, plain + list(groups))
-            for values in itertools.product(*value_axes):
-                if n >= MAX_JOBS_CHECKED:
-                    break
-                n += 1
-                if needs_compose:  # a swept value feeds an interpolation: compose this job
-                    job = plain + list(groups) + [f"{k}={v}" for k, v in values]
-                    exp = _experiment(_compose(job), job)
-                else:
-                    exp = copy.deepcopy(base)
-                    try:
-                        for k, v in values:
-                            apply_value(exp, k, v)
-                    except ConfigError as e:
-                        raise PreflightError(str(e)) from None
-                exps.append(_validate(exp))
+        exps: list[ExperimentConfig] = []
+        n = 0
+        for params in _grids(cfg.hydra.sweeper):
+            n += _check_grid(cfg, params, dict(sweeps), parsed, plain, parser, exps, n)
         _check_unused(user_keys, exps)
         return n
+
+
+def _grids(sweeper: Any) -> list[dict[str, Any]]:
+    """The sweep parameters of every grid a multirun runs: ``params``, and with the grids sweeper
+    (hydra_plugins.specbed_sweeper) each grid of ``grids`` chosen by ``only`` over them."""
+    params = dict(sweeper.get("params") or {})
+    grids = {k: dict(g) for k, g in (sweeper.get("grids") or {}).items() if g}
+    only = list(sweeper.get("only") or []) or None
+    out = [params] if only is None or "base" in only else []
+    out += [{**params, **g} for name, g in grids.items() if only is None or name in only]
+    return out or [params]
+
+
+def _check_grid(cfg: Any, params: dict[str, Any], sweeps: dict[str, Any], parsed: list, plain: list[str],  # type: ignore[type-arg]
+                parser: Any, exps: list[ExperimentConfig], checked: int) -> int:
+    """Validate the jobs of one grid (appended to ``exps``); returns how many it has."""
+    plain_keys = {o.get_key_element() for o in parsed if not o.is_sweep_override()}
+    for key, value in params.items():
+        if key not in sweeps and key not in plain_keys:
+            sweeps[key] = parser.parse_override(f"{key}={value}")
+    group_axes, value_axes = [], []
+    for key, o in sweeps.items():
+        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [str(o.value())]
+        bare = key.lstrip("+~")
+        if _is_group(bare):
+            group_axes.append([f"{key}={v}" for v in values])
+        elif bare not in schema_types():
+            raise PreflightError(no_such_setting(bare))
+        else:
+            value_axes.append([(bare, v) for v in values])
+    needs_compose = _interpolated_keys(cfg) & {axis[0][0] for axis in value_axes}
+    n = 0
+    for groups in itertools.product(*group_axes):
+        gcfg = _compose(plain + list(groups)) if groups else cfg
+        base = _experiment(gcfg, plain + list(groups))
+        for values in itertools.product(*value_axes):
+            if checked + n >= MAX_JOBS_CHECKED:
+                break
+            n += 1
+            if needs_compose:  # a swept value feeds an interpolation: compose this job
+                job = plain + list(groups) + [f"{k}={v}" for k, v in values]
+                exp = _experiment(_compose(job), job)
+            else:
+                exp = copy.deepcopy(base)
+                try:
+                    for k, v in values:
+                        apply_value(exp, k, v)
+                except ConfigError as e:
+                    raise PreflightError(str(e)) from None
+            exps.append(_validate(exp))
+    return n
 
 
 def normalize_args(args: list[str]) -> list[str]:

@@ -59,7 +59,7 @@ BAD_COMMAND_LINES = [
     ("sim.c=-1 sim.cost_model=analytic", "sim.c"),
     ("sim.c=0.1", "sim.cost_model=analytic"),
     ("schedule.tree_width=4", "schedule.tree"),
-    ("backend=real schedule=decentralized", "schedule"),
+    ("backend=real schedule=decentralized placement.nodes=99", "placement.nodes"),
     ("workload.max_new_tokens=x", "an integer"),
 ]
 

@@ -42,8 +42,23 @@ def test_gpu_split_composes_every_split_for_every_pair() -> None:
     assert seen == want
 
 
+def grid_jobs(sweep: str, *overrides: str) -> list[list[str]]:
+    """The jobs of the grids sweeper's grids that ``hydra.sweeper.only`` selects (the sweep's
+    ``params`` first, then the grid's keys: hydra_plugins.specbed_sweeper)."""
+    register_configs(command_pairs([f"+sweep={sweep}"]))
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"+sweep={sweep}", *overrides], return_hydra_config=True)
+    sweeper = cfg.hydra.sweeper
+    jobs = []
+    for name in sweeper.only:
+        params = {**(sweeper.params or {}), **sweeper.grids[name]}
+        axes = [[f"{k}={v}" for v in str(vals).split(",")] for k, vals in params.items()]
+        jobs += [[f"+sweep={sweep}", *overrides, *combo] for combo in itertools.product(*axes)]
+    return jobs
+
+
 def test_wan_sweep_grid() -> None:
-    jobs = sweep_jobs("wan")
+    jobs = grid_jobs("wan")
     assert len(jobs) == 60
     keys = {tuple(sorted(o for o in job if not o.startswith("+"))) for job in jobs}
     assert len(keys) == 60
@@ -54,6 +69,18 @@ def test_wan_sweep_grid() -> None:
         assert exp.acceptance.oracle == "synthetic" and exp.sampling.temperature == 1.0
     last = compose_exp(*jobs[-1])
     assert (last.placement.nodes, last.network.latency_ms, last.schedule.tau) == (8, 100.0, 0.3)
+
+
+def test_wan_sweep_on_the_real_backend_measures_and_predicts_every_point() -> None:
+    jobs = grid_jobs("wan", "backend=real")
+    assert len(jobs) == 48  # 3 nodes x 4 latencies x 2 τ x 2 roles
+    measure = compose_exp(*jobs[0])
+    assert (measure.backend, measure.hardware.name, measure.pair.name) == ("real", "local", "smollm2_135m+smollm2_draft")
+    assert measure.schedule.name == "decentralized" and measure.schedule.adaptive
+    predict = compose_exp(*jobs[-1], "acceptance.trace_path=/tmp")
+    assert predict.backend == "sim" and predict.sim.cost_model == "profile"  # backend=real does not win
+    assert (predict.placement.nodes, predict.network.latency_ms, predict.schedule.tau) == (4, 50.0, 0.2)
+    assert not predict.sim.profile_rescale and predict.acceptance.oracle == "trace"
 
 
 def _write(tmp: Path, name: str, *overrides: str) -> None:

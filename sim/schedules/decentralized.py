@@ -36,6 +36,7 @@ from sim.context import SimContext, SimRequest
 from sim.oracle import ChainOutcome, SequenceOracle, SyntheticSequence
 from sim.pipeline import Pipeline
 from sim.schedules import register
+from testbed.links import draft_dists_bytes
 from testbed.spec.dsd import dsd_verify
 from testbed.spec.lookahead import make_lookahead
 from testbed.spec.sampling import sample
@@ -81,7 +82,8 @@ def _summary(ctx: SimContext, pipe: Pipeline, acc: dict[str, float]) -> dict[str
         "t0_ms": 1e3 * t0, "t1_ms": 1e3 * t1,
         # DSD eq. (5) with the measured mean accepted length k and the loop's L·t1
         "comm_reduction_eq5": dsd_comm_reduction(k, t0, t1, links + 1) if k == k else None,
-        "key_token_fraction": acc["key"] / acc["drafted"] if s.adaptive and acc["drafted"] else None,
+        "key_token_fraction": acc["key"] / acc["drafted"]
+        if s.adaptive and acc["drafted"] and exp.acceptance.oracle == "synthetic" else None,
         "theory_speedup": None, "theory_speedup_open_chain": None,
     }
     if exp.sim.cost_model == "analytic" and exp.acceptance.oracle == "iid" and exp.lookahead.policy == "static":
@@ -115,6 +117,8 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
     out: list[int] = []
     forward, timeout = cost.forward, env.timeout
     n_max = req.max_new_tokens
+    # a sampled model draft's q travels with the window (real/schedules/decentralized.py)
+    sends_q = exp.sampling.temperature > 0 and exp.pair.draft.kind == "transformer"
     while generated < n_max:
         gamma = policy.next_gamma()
         t_round = env.now
@@ -123,8 +127,9 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
             draft_s += forward("draft", 1, seq_len + i - 1)
         yield timeout(draft_s)
         rec.span("draft", "draft", t_round, env.now, rid, r)
-        target_s = yield from pipe.forward(gamma + 1, seq_len - 1, rid, r, "verify")
-        if s.adaptive:
+        q_bytes = draft_dists_bytes(gamma, vocab=exp.pair.target.vocab, topk=s.draft_topk) if sends_q else 0
+        target_s = yield from pipe.forward(gamma + 1, seq_len - 1, rid, r, "verify", q_bytes)
+        if s.adaptive and isinstance(seq, SyntheticSequence):  # a trace replays the rule's outcomes
             outcome, key = adaptive_round(seq, gamma, s.tau, lambdas)
             acc["key"] += sum(key)
         else:

@@ -69,6 +69,7 @@ def _load_sections(runs: list[Run]) -> None:
     import testbed.report.sections  # noqa: F401  (registers the built-in sections)
     import testbed.report.sections_repeats  # noqa: F401  (real.repeats: intervals, machine state)
     import testbed.report.sections_sim  # noqa: F401  (GPU split, DSD, Gantt charts)
+    import testbed.report.sections_wan  # noqa: F401  (DSD measured beside predicted)
 
     if {r.summary.get("backend") for r in runs} >= {"sim", "real"}:
         import testbed.report.sections_validate  # noqa: F401  (sim vs real: validation.csv, parity)

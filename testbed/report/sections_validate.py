@@ -27,11 +27,19 @@ from testbed.workloads import TRACE_SOURCE, TRACE_SPLITS
 METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len", "ar_tokens_per_s", "speedup")
 PARITY_METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len")
 JOIN = tuple(k for k in KEY_FIELDS if k != "backend") + ("split",)
+# validation.csv's rows: a decentralized point is also its links and τ (`+sweep=wan`), "-" otherwise
+VJOIN = (*JOIN, "dsd_point")
 TARGET_MEDIAN, TARGET_WORST, TARGET_P90 = 5.0, 15.0, 10.0
 
 
 def run_split(run: Run) -> str:
     return split_of(run.path, run.summary)
+
+
+def dsd_point(summary: dict) -> str:
+    if summary.get("schedule") != "decentralized":
+        return "-"
+    return f"{float(summary.get('latency_ms') or 0):g} ms, τ={float(summary.get('tau') or 0):g}"
 
 
 def validation_frame(runs: list[Run]) -> pd.DataFrame:
@@ -45,27 +53,28 @@ def validation_frame(runs: list[Run]) -> pd.DataFrame:
         if s["backend"] == "real" and split in TRACE_SPLITS:
             continue  # the prediction's inputs, not something to predict
         rows.append({**{k: s.get(k) for k in JOIN if k != "split"}, "split": split,
-                     "family": family(s), "backend": s["backend"], **{m: s.get(m) for m in METRICS}})
+                     "family": family(s), "dsd_point": dsd_point(s), "backend": s["backend"],
+                     **{m: s.get(m) for m in METRICS}})
     if not rows:
         return pd.DataFrame()
     df = pd.DataFrame(rows)
     if set(df["backend"]) != {"sim", "real"}:
         return pd.DataFrame()
     df["temperature"] = df["temperature"].astype(float)
-    long = df.melt(id_vars=[*JOIN, "family", "backend"], value_vars=list(METRICS), var_name="metric")
+    long = df.melt(id_vars=[*VJOIN, "family", "backend"], value_vars=list(METRICS), var_name="metric")
     long = long.dropna(subset=["value"])
     long["value"] = long["value"].astype(float)
-    wide = long.pivot_table(index=[*JOIN, "family", "metric"], columns="backend", values="value",
+    wide = long.pivot_table(index=[*VJOIN, "family", "metric"], columns="backend", values="value",
                             aggfunc="mean")
     if "sim" not in wide or "real" not in wide:
         return pd.DataFrame()
     wide = wide.dropna(subset=["sim", "real"]).reset_index()
     out = wide.rename(columns={"sim": "predicted", "real": "measured"})
-    out = out[[*JOIN, "family", "metric", "predicted", "measured"]]
+    out = out[[*VJOIN, "family", "metric", "predicted", "measured"]]
     out["error_pct"] = 100.0 * (out["predicted"] - out["measured"]) / out["measured"]
     out = add_interval_columns(out, runs, JOIN, METRICS, run_split)
     order = {m: i for i, m in enumerate(METRICS)}
-    out = out.sort_values(["metric", *JOIN], key=lambda c: c.map(order) if c.name == "metric" else c)
+    out = out.sort_values(["metric", *VJOIN], key=lambda c: c.map(order) if c.name == "metric" else c)
     return out.reset_index(drop=True)
 
 
