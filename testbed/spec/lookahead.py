@@ -68,9 +68,9 @@ def draft_token_features(logits: torch.Tensor, token: int) -> list[float]:
 
     logp = torch.log_softmax(logits.float(), dim=-1)
     p = logp.exp()
-    top = torch.topk(p, TOP_K).values
+    top = torch.topk(p, min(TOP_K, p.numel())).values.tolist()
     entropy = float(-(p * logp).nan_to_num().sum())
-    return [*top.tolist(), entropy, float(p[token])]
+    return [*top, *[0.0] * (TOP_K - len(top)), entropy, float(p[token])]
 
 
 def window_features(rows: list[list[float]]) -> np.ndarray:
