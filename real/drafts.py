@@ -34,7 +34,9 @@ class Draft(ABC):
     # (recorded into the trace; with a dropped token last) and how many the oracle dropped
     last_features: list[list[float]]
     last_dropped: int = 0
-    record_features: bool = True  # compute features even when the policy does not read them
+    # compute features even when the policy does not read them (runs that feed traces; the
+    # top-10 and entropy over the vocabulary cost a share of a small draft's forward)
+    record_features: bool = False
 
     def start(self, prompt_ids: list[int]) -> None:  # noqa: B027 - optional hook
         """Per request, after the target's prefill."""

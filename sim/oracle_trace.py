@@ -137,9 +137,18 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
     if exp.backend == "sim":
         real = [(d, s) for d, s in runs if s.get("backend") == "real"]
         runs = real or runs
+    # a per-token policy replays the features of a static run (it drafted every position),
+    # whichever policy it predicts; other policies prefer a recording of themselves
+    runs = [(d, s) for d, s in runs if _static_recording(s, exp)] or runs
     for same in (_same_gamma, _same_tree, _same_tp):  # preferences, in order: narrow if any match
         runs = [(d, s) for d, s in runs if same(s, exp)] or runs
     return runs
+
+
+def _static_recording(s: dict, exp: ExperimentConfig) -> bool:
+    own = exp.lookahead.policy
+    wanted = "static" if own in ("confidence", "disco", "oracle") else own
+    return s.get("lookahead", "static") == wanted
 
 
 def _same_gamma(s: dict, exp: ExperimentConfig) -> bool:
@@ -183,7 +192,8 @@ def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
         feature_rows = rounds["draft_features"] if "draft_features" in rounds.columns else None
         if with_features and feature_rows is None:
             raise ConfigError("acceptance.trace_path", raw, f"a trace with per-token draft features for "
-                              f"lookahead={exp.lookahead.policy} ({run_dir} has none: it predates them); {HOWTO}")
+                              f"lookahead={exp.lookahead.policy} ({run_dir} has none: real runs record them on "
+                              f"workload.split=trace or calibrate, or with a policy that reads them); {HOWTO}")
         for _, g in rounds.sort_values(["request_id", "round"]).groupby("request_id", sort=True):
             recs = list(zip(g["drafted"].astype(int), g["accepted"].astype(int)))
             feats = None

@@ -6,6 +6,7 @@ classifier file or option fails with one line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -57,8 +58,11 @@ def _requests(n: int = 4, new: int = 24) -> list[RealRequest]:
             for i in range(n)]
 
 
-def _policy_exp(policy: str, tmp_path, gamma: int = 5, threshold: float | None = None):  # type: ignore[no-untyped-def]
-    extra = [f"lookahead.path={position_classifier(tmp_path / 'clf.json')}"] if policy == "disco" else []
+def _policy_exp(policy: str, tmp_path, gamma: int = 5, threshold: float | None = None,  # type: ignore[no-untyped-def]
+                split: str = "all"):
+    extra = [f"workload.split={split}"]
+    if policy == "disco":
+        extra.append(f"lookahead.path={position_classifier(tmp_path / 'clf.json')}")
     if threshold is not None:
         extra.append(f"lookahead.threshold={threshold}")
     return compose_exp(f"schedule.gamma={gamma}", f"lookahead={policy}", "acceptance=synthetic", *extra)
@@ -76,7 +80,7 @@ def test_real_every_policy_equals_ar_at_temperature_0(policy: str, kind: str, tm
 
     threshold = None
     if policy == "confidence":  # the median chosen-token probability: some windows stop early
-        probe = _ctx(_policy_exp("static", tmp_path), target, draft(), params)
+        probe = _ctx(_policy_exp("static", tmp_path, split="trace"), target, draft(), params)  # records features
         _outputs(probe, serve_sync, reqs[:2])
         chosen = [f[i + CHOSEN] for f in probe.rec.frames()[0].draft_features for i in range(0, len(f), FEATURES)]
         threshold = float(np.median(chosen)) if kind == "model" else None
@@ -150,7 +154,7 @@ def test_a_varying_window_still_samples_the_target_distribution_at_temperature_1
     tv = 0.5 * (counts / n - p_exact).abs().sum()
     assert tv < 0.05, tv
     rounds = ctx.rec.frames()[0]
-    assert rounds.drafted.nunique() > 1 and 0 < rounds.accepted.mean()  # γ varied; guesses were kept
+    assert rounds.drafted.nunique() > 1 and rounds.accepted.mean() > 0  # γ varied; guesses were kept
 
 
 # ------------------------------------------------------------------------------ simulator
@@ -170,7 +174,7 @@ def test_sim_every_policy_equals_ar_at_temperature_0(policy: str, tmp_path) -> N
         assert (rounds.accepted == rounds.drafted).all() and (rounds.drafted < 6).any()
     if policy != "static":
         assert rounds.drafted.nunique() > 1
-    assert result.extra["lookahead"] == policy and result.extra["draft_forwards"] >= rounds.drafted.sum()
+    assert result.extra["draft_forwards"] >= rounds.drafted.sum()
 
 
 def test_trace_replays_recorded_features_and_verdicts() -> None:
@@ -200,7 +204,7 @@ def test_missing_or_mismatched_classifier_and_bad_options_fail_with_one_line(tmp
         compose_exp("lookahead=disco", f"lookahead.path={tmp_path}/none.json", "acceptance=synthetic")
     assert e.value.key == "lookahead.path"
     bad = tmp_path / "bad.json"
-    d = json.loads(open(position_classifier(tmp_path / "ok.json")).read())
+    d = json.loads(Path(position_classifier(tmp_path / "ok.json")).read_text())
     d["w1"] = d["w1"][0][:5]
     bad.write_text(json.dumps(d))
     with pytest.raises(ConfigError, match="real.train_disco") as e:

@@ -25,8 +25,10 @@ def serve_sync(ctx: RealContext, req: RealRequest) -> None:
         room = ctx.target.model.max_seq - len(ids)
         policy.reference = ids + greedy_generate(ctx.target.model, ids, min(room, req.max_new_tokens + exp.schedule.gamma),
                                                  sorted(ctx.eos))
-    features = rec.extra_round_columns.setdefault("draft_features", [])  # the trace's per-token features
-    ctx.extra["lookahead"] = exp.lookahead.policy
+    # per-token draft features for the trace: on the splits that feed traces (acceptance=trace
+    # replays them: testbed.workloads.TRACE_SOURCE) and whenever the policy reads them
+    draft.record_features = policy.needs_features or exp.workload.split in ("calibrate", "trace")
+    features = rec.extra_round_columns.setdefault("draft_features", [])
     forwards = 0  # draft forwards (an oracle's dropped guess was drafted); none for n-gram lookups
     s = ctx.now()
     ctx.target.prefill(ids)

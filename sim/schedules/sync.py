@@ -21,7 +21,6 @@ def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     env, cost, rec, exp = ctx.env, ctx.cost, ctx.rec, ctx.exp
     seq = ctx.oracle.sequence(req.request_id, req.prompt_len)
     policy = lookahead_for(exp)
-    ctx.extra["lookahead"] = exp.lookahead.policy
     forwards = 0  # draft forwards (an oracle's dropped guess was drafted); none for n-gram
     ngram = exp.pair.draft.kind == "ngram"
     rid = req.request_id
