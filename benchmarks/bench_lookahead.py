@@ -1,8 +1,9 @@
 """Lookahead policies on the real backend (issue 14): paired tokens/s and the classifier's cost.
 
 1. Cost per draft token of the per-token decision, as a share of one draft forward of the
-   bundled draft: the DISCO classifier alone (a 12 -> 32 -> 1 FFN in numpy), and with the
-   feature extraction (top-10 and entropy over the 49k vocabulary) it needs.
+   bundled draft: the DISCO classifier alone (a 12 -> 32 -> 1 FFN in numpy), with the feature
+   extraction (top-10 and entropy over the 49k vocabulary) it needs, and the confidence
+   policy's one feature (the chosen token's probability: one logsumexp).
 2. Paired runs: every policy on the same prompts (``workload.split=test``), interleaved round
    by round (``--rounds``) so drift on a shared machine hits all alike; per policy the median
    tokens/s, and per round the ratio of DISCO, confidence, heuristic and the oracle to
@@ -65,8 +66,10 @@ def classifier_cost(repeats: int = 300) -> dict:
         fwd = best(lambda: draft._logits([5], 199), 20)
     clf = best(lambda: policy.after_token(features=feats, position=3), repeats)
     fea = best(lambda: draft_token_features(logits, 5), 50)
+    chosen = best(lambda: draft_token_features(logits, 5, chosen_only=True), 50)
     return {"draft_forward_ms": 1e3 * fwd, "classifier_us": 1e6 * clf, "features_us": 1e6 * fea,
-            "classifier_share": clf / fwd, "classifier_plus_features_share": (clf + fea) / fwd}
+            "classifier_share": clf / fwd, "classifier_plus_features_share": (clf + fea) / fwd,
+            "confidence_chosen_prob_share": chosen / fwd}
 
 
 def policies(pair: str, disco_sl: int) -> list[tuple[str, list[str]]]:

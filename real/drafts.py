@@ -81,11 +81,12 @@ class _ForwardDraft(Draft):
         qs = []
         self.last_features, self.last_dropped = [], 0
         want = self.record_features or (policy is not None and policy.needs_features)
+        cheap = not self.record_features and policy is not None and policy.chosen_only
         for i in range(gamma):
             logits = self._logits(feed, pos)
             q = standardize(logits, self.params)
             t = int(q.argmax()) if self.params.greedy else sample(q, gen)
-            feats = draft_token_features(logits, t) if want else None
+            feats = draft_token_features(logits, t, chosen_only=cheap) if want else None
             if feats is not None:
                 self.last_features.append(feats)
             pos += len(feed)

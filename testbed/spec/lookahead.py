@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -62,9 +63,15 @@ class ClassifierError(ValueError):
     """A missing or mismatched DISCO classifier file (reported on key lookahead.path)."""
 
 
-def draft_token_features(logits: torch.Tensor, token: int) -> list[float]:
-    """The ``FEATURES`` floats of one draft token from the draft's logits ``[V]``."""
+def draft_token_features(logits: torch.Tensor, token: int, *, chosen_only: bool = False) -> list[float]:
+    """The ``FEATURES`` floats of one draft token from the draft's logits ``[V]``.
+    ``chosen_only``: the chosen token's probability alone (one pass over the vocabulary, for
+    the confidence policy), the other entries NaN."""
     import torch
+
+    if chosen_only:
+        x = logits.float()
+        return [math.nan] * CHOSEN + [math.exp(float(x[token] - torch.logsumexp(x, dim=-1)))]
 
     logp = torch.log_softmax(logits.float(), dim=-1)
     p = logp.exp()
@@ -144,6 +151,7 @@ class LookaheadPolicy:
     gamma_max: int
     needs_features: bool = False  # after_token reads the features (else callers may pass none)
     needs_acceptance: bool = False  # after_token reads `accepted` (the oracle)
+    chosen_only: bool = False  # of the features, after_token reads the chosen probability only
     per_token: bool = False  # after_token may end a window early
 
     def next_gamma(self) -> int:
@@ -180,7 +188,7 @@ class ConfidenceLookahead(LookaheadPolicy):
     threshold: float = CONFIDENCE_THRESHOLD
 
     def __post_init__(self) -> None:
-        self.needs_features = self.per_token = True
+        self.needs_features = self.per_token = self.chosen_only = True
 
     def after_token(self, *, features: list[float] | tuple[float, ...] | None, position: int,
                     accepted: bool | None = None) -> Decision:
