@@ -225,3 +225,41 @@ def test_missing_or_mismatched_classifier_and_bad_options_fail_with_one_line(tmp
     assert not (tmp_path / "run" / "summary.json").exists()
     r = run_cli("lookahead.bogus=1", f"hydra.run.dir={tmp_path}/run2")
     assert r.returncode == 2 and "lookahead.bogus" in r.stderr and "Traceback" not in r.stderr
+
+
+# ----------------------------------------------------------------------- the bundled model
+@pytest.mark.model
+@pytest.mark.parametrize("draft", ["smollm2_draft", "ngram3"])
+def test_every_policy_equals_ar_on_the_bundled_model(draft: str) -> None:
+    """The shipped DISCO weights included (models/disco/); one HumanEval prompt per policy."""
+    from real.engine import run
+
+    common = ("backend=real", f"pair=smollm2_135m+{draft}", "workload.num_prompts=1",
+              "workload.max_new_tokens=24", "real.progress=false", "real.ignore_eos=true", "schedule.gamma=4")
+    for policy in POLICIES:
+        result = run(compose_exp(*common, f"lookahead={policy}"))
+        sync = [r["output_ids"] for r in result.recorder.requests]
+        assert sync == [r["output_ids"] for r in result.baseline.requests], policy
+        rounds = result.recorder.frames()[0]
+        if policy == "oracle":
+            assert (rounds.accepted == rounds.drafted).all()
+
+
+def test_report_table1_picks_static_opt_per_backend() -> None:
+    import pandas as pd
+
+    from testbed.report.sections_lookahead import lookahead_frame, table1
+
+    rows = []
+    for backend, best in (("sim", 3), ("real", 2)):
+        for pol, g in [("static", 1), ("static", 2), ("static", 3), ("disco", 3), ("oracle", 8)]:
+            tps = 10.0 + (5.0 if (pol, g) == ("static", best) else 0.0) + (7.0 if pol == "disco" else 0.0)
+            rows.append({"backend": backend, "schedule": "sync", "pair": "p", "workload": "w", "temperature": 0.0,
+                         "lookahead": pol, "gamma": g, "tokens_per_s": tps, "tpot_ms": 1e3 / tps, "speedup": tps / 10,
+                         "verifications": 10, "generated_tokens": 20, "draft_forwards": 30})
+    frame = lookahead_frame(pd.DataFrame(rows))
+    opt = frame[frame.policy == "static-opt"].set_index("backend")["gamma"]
+    assert opt["sim"] == 3 and opt["real"] == 2
+    wide = table1(frame)
+    assert list(wide.policy[:2]) == ["static γ=1", "static γ=2"] and "tpot_ms (sim)" in wide.columns
+    assert set(frame.target_fw_per_token) == {0.5} and set(frame.draft_fw_per_token) == {1.5}

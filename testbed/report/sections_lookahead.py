@@ -52,6 +52,8 @@ def table1(frame: pd.DataFrame) -> pd.DataFrame:
     wide = frame.pivot_table(index=[*GROUP, "policy"], columns="backend",
                              values=["tpot_ms", "speedup", "target_fw_per_token", "draft_fw_per_token", "gamma"],
                              aggfunc="first")
+    metrics = ("tpot_ms", "speedup", "target_fw_per_token", "draft_fw_per_token", "gamma")
+    wide = wide[[c for m in metrics for b in ("sim", "real") for c in [(m, b)] if c in wide.columns]]
     wide.columns = [f"{m} ({b})" for m, b in wide.columns]
     wide = wide.reset_index()
     rank = {p: i for i, p in enumerate(ORDER)}
