@@ -235,8 +235,8 @@ def test_every_policy_equals_ar_on_the_bundled_model(draft: str) -> None:
     from real.engine import run
 
     common = ("backend=real", f"pair=smollm2_135m+{draft}", "workload.num_prompts=1",
-              "workload.max_new_tokens=24", "real.progress=false", "real.ignore_eos=true", "schedule.gamma=4")
-    for policy in POLICIES:
+              "workload.max_new_tokens=16", "real.progress=false", "real.ignore_eos=true", "schedule.gamma=4")
+    for policy in POLICIES if draft == "smollm2_draft" else ("confidence", "disco", "oracle"):
         result = run(compose_exp(*common, f"lookahead={policy}"))
         sync = [r["output_ids"] for r in result.recorder.requests]
         assert sync == [r["output_ids"] for r in result.baseline.requests], policy
