@@ -15,6 +15,7 @@ import torch
 
 from real.model import Transformer
 from real.runners import prefill
+from testbed.spec.lookahead import ONE_HOT_FEATURES, Decision, LookaheadPolicy, draft_token_features
 from testbed.spec.sampling import SamplingParams, sample, standardize
 
 
@@ -29,14 +30,22 @@ def one_hot(tokens: list[int], vocab: int) -> torch.Tensor:
 
 class Draft(ABC):
     name: str = "draft"
+    # lookahead (testbed/spec/lookahead.py): per-token features of the last window's tokens
+    # (recorded into the trace; with a dropped token last) and how many the oracle dropped
+    last_features: list[list[float]]
+    last_dropped: int = 0
+    # compute features even when the policy does not read them (runs that feed traces; the
+    # top-10 and entropy over the vocabulary cost a share of a small draft's forward)
+    record_features: bool = False
 
     def start(self, prompt_ids: list[int]) -> None:  # noqa: B027 - optional hook
         """Per request, after the target's prefill."""
 
     @abstractmethod
-    def propose(self, ids: list[int], gamma: int,
-                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
-        """Up to ``gamma`` guesses continuing ``ids`` and their distributions ``q [n, V]``."""
+    def propose(self, ids: list[int], gamma: int, gen: torch.Generator | None,
+                policy: LookaheadPolicy | None = None) -> tuple[list[int], torch.Tensor]:
+        """Up to ``gamma`` guesses continuing ``ids`` and their distributions ``q [n, V]``;
+        ``policy`` decides after every guess whether to go on (lookahead)."""
 
     def commit(self, ids: list[int], accepted: int, proposed: int) -> None:  # noqa: B027
         """After verification: ``ids`` is the new sequence (``accepted`` guesses + one token)."""
@@ -64,20 +73,34 @@ class _ForwardDraft(Draft):
         return standardize(self._logits(tokens, start), self.params)
 
     @torch.inference_mode()
-    def propose(self, ids: list[int], gamma: int,
-                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
+    def propose(self, ids: list[int], gamma: int, gen: torch.Generator | None,
+                policy: LookaheadPolicy | None = None) -> tuple[list[int], torch.Tensor]:
         feed, pos = ids[self.cached:], self.cached
         self._base = len(ids)
         guesses: list[int] = []
         qs = []
-        for _ in range(gamma):
-            q = standardize(self._logits(feed, pos), self.params)
+        self.last_features, self.last_dropped = [], 0
+        want = self.record_features or (policy is not None and policy.needs_features)
+        cheap = not self.record_features and policy is not None and policy.chosen_only
+        for i in range(gamma):
+            logits = self._logits(feed, pos)
+            q = standardize(logits, self.params)
             t = int(q.argmax()) if self.params.greedy else sample(q, gen)
-            guesses.append(t)
-            qs.append(q)
+            feats = draft_token_features(logits, t, chosen_only=cheap) if want else None
+            if feats is not None:
+                self.last_features.append(feats)
             pos += len(feed)
             feed = [t]
-        self.cached = pos  # ids plus guesses[:-1] are cached now
+            decision = _decide(policy, feats, i + 1, len(ids) + i, t)
+            if decision is Decision.DROP:
+                self.last_dropped = 1
+                break
+            guesses.append(t)
+            qs.append(q)
+            if decision is Decision.STOP:
+                break
+        # ids plus every guess but the last were fed (a dropped guess never was)
+        self.cached = pos
         return guesses, torch.stack(qs) if qs else torch.zeros(0, self.vocab)
 
     def commit(self, ids: list[int], accepted: int, proposed: int) -> None:
@@ -147,7 +170,28 @@ class NgramDraft(Draft):
                     return ids[j + n:j + n + gamma]
         return []
 
-    def propose(self, ids: list[int], gamma: int,
-                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
-        guesses = self.lookup(ids, gamma)
+    def propose(self, ids: list[int], gamma: int, gen: torch.Generator | None,
+                policy: LookaheadPolicy | None = None) -> tuple[list[int], torch.Tensor]:
+        found = self.lookup(ids, gamma)
+        self.last_features, self.last_dropped = [], 0
+        guesses: list[int] = []
+        for i, t in enumerate(found):
+            # one-hot q: DISCO sees only the position, confidence never stops (p = 1)
+            self.last_features.append(list(ONE_HOT_FEATURES))
+            decision = _decide(policy, ONE_HOT_FEATURES, i + 1, len(ids) + i, t)
+            if decision is Decision.DROP:
+                self.last_dropped = 1
+                break
+            guesses.append(t)
+            if decision is Decision.STOP:
+                break
         return guesses, one_hot(guesses, self.vocab)
+
+
+def _decide(policy: LookaheadPolicy | None, features: list[float] | tuple[float, ...] | None,
+            position: int, slot: int, token: int) -> Decision:
+    """The lookahead decision after draft token ``position`` of a window (at sequence ``slot``)."""
+    if policy is None or not policy.per_token:
+        return Decision.CONTINUE
+    accepted = policy.would_accept(slot, token) if policy.needs_acceptance else None  # type: ignore[attr-defined]
+    return policy.after_token(features=features, position=position, accepted=accepted)

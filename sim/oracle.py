@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from testbed.config import ExperimentConfig
+from testbed.spec.lookahead import Decision, LookaheadPolicy
 from testbed.spec.prefix import accepted_prefix
 
 
@@ -29,6 +30,7 @@ class ChainOutcome:
     tokens: list[int] = field(default_factory=list)  # emitted ids (empty for iid)
     ratios: list[float] = field(default_factory=list)
     proposed: int | None = None  # guesses actually drafted when fewer than γ (trace: n-gram); None = γ
+    dropped: int = 0  # lookahead=oracle: a guess drafted then dropped (it costs a draft forward)
 
 
 class SequenceOracle(ABC):
@@ -39,8 +41,9 @@ class SequenceOracle(ABC):
         """The target's next token (one AR forward)."""
 
     @abstractmethod
-    def chain_round(self, gamma: int) -> ChainOutcome:
-        """One round of Algorithm 1 with γ guesses; the sequence advances by accepted+1."""
+    def chain_round(self, gamma: int, policy: LookaheadPolicy | None = None) -> ChainOutcome:
+        """One round of Algorithm 1 with up to γ guesses; the sequence advances by accepted+1.
+        ``policy`` (lookahead) decides after every guess whether the draft goes on."""
 
 
 class TokenOracle(ABC):
@@ -62,10 +65,22 @@ class IidSequence(SequenceOracle):
     def ar_token(self) -> int:
         return -1
 
-    def chain_round(self, gamma: int) -> ChainOutcome:
+    def chain_round(self, gamma: int, policy: LookaheadPolicy | None = None) -> ChainOutcome:
         r = self.rng.random
-        n = accepted_prefix([self.alpha] * gamma, [r() for _ in range(gamma)])
-        return ChainOutcome(accepted=n)
+        if policy is None or not policy.per_token:
+            n = accepted_prefix([self.alpha] * gamma, [r() for _ in range(gamma)])
+            return ChainOutcome(accepted=n)
+        # only the oracle policy runs here (config validation: no distributions, no features)
+        uniforms: list[float] = []
+        dropped = 0
+        for i in range(gamma):
+            u = r()
+            if policy.after_token(features=None, position=i + 1, accepted=u <= self.alpha) is Decision.DROP:
+                dropped = 1
+                break
+            uniforms.append(u)
+        n = accepted_prefix([self.alpha] * len(uniforms), uniforms)
+        return ChainOutcome(accepted=n, proposed=len(uniforms), dropped=dropped)
 
 
 class IidOracle(TokenOracle):

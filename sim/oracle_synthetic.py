@@ -12,6 +12,7 @@ import torch
 
 from sim.oracle import ORACLES, ChainOutcome, SequenceOracle, TokenOracle
 from testbed.config import ExperimentConfig
+from testbed.spec.lookahead import Decision, LookaheadPolicy, draft_token_features
 from testbed.spec.sampling import SamplingParams, sample, standardize
 from testbed.spec.speculative import expected_acceptance, speculative_step
 
@@ -93,22 +94,44 @@ class SyntheticSequence(SequenceOracle):
         self.tokens.append(t)
         return t
 
-    def chain_round(self, gamma: int) -> ChainOutcome:
+    def chain_round(self, gamma: int, policy: LookaheadPolicy | None = None) -> ChainOutcome:
         ctx = self.tokens
         guesses: list[int] = []
         qs, ps = [], []
-        for _ in range(gamma):
-            p, q = self.lm.dists(ctx[-2:] if not guesses else (ctx + guesses)[-2:])
+        per_token = policy is not None and policy.per_token
+        # the oracle policy must know each verdict while drafting: its uniforms are drawn here
+        # and handed to Algorithm 1 (same rule, same distribution of outcomes)
+        uniforms: list[float] | None = [] if per_token and policy.needs_acceptance else None
+        dropped = 0
+        for i in range(gamma):
+            last2 = ctx[-2:] if not guesses else (ctx + guesses)[-2:]
+            p, q = self.lm.dists(last2)
             x = sample(q, self.gen)
+            if per_token:
+                assert policy is not None
+                feats = draft_token_features(self.lm.logits(*last2)[1], x) if policy.needs_features else None
+                verdict = None
+                if uniforms is not None:
+                    u = 1.0 - float(torch.rand(1, generator=self.gen))
+                    verdict = u <= float(p[x]) / float(q[x])
+                decision = policy.after_token(features=feats, position=i + 1, accepted=verdict)
+                if decision is Decision.DROP:
+                    dropped = 1
+                    break
+                if uniforms is not None:
+                    uniforms.append(u)
             qs.append(q)
             ps.append(p)
             guesses.append(x)
+            if per_token and decision is Decision.STOP:
+                break
         p_last, _ = self.lm.dists((ctx + guesses)[-2:])
         ps.append(p_last)
         step = speculative_step(torch.stack(ps), torch.stack(qs) if qs else torch.empty(0, self.lm.vocab),
-                                torch.tensor(guesses, dtype=torch.long), self.gen)
+                                torch.tensor(guesses, dtype=torch.long), self.gen, uniforms=uniforms)
         self.tokens.extend(step.tokens)
-        return ChainOutcome(accepted=step.accepted, tokens=step.tokens, ratios=step.ratios)
+        return ChainOutcome(accepted=step.accepted, tokens=step.tokens, ratios=step.ratios,
+                            proposed=len(guesses), dropped=dropped)
 
 
 class SyntheticOracle(TokenOracle):

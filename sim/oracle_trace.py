@@ -41,6 +41,7 @@ import pandas as pd
 from sim.oracle import ORACLES, ChainOutcome, SequenceOracle, TokenOracle
 from testbed.config import ConfigError, ExperimentConfig
 from testbed.results import run_split
+from testbed.spec.lookahead import FEATURES, Decision, LookaheadPolicy
 from testbed.spec.speculative import accepted_prefix
 from testbed.workloads import TRACE_SOURCE
 
@@ -54,6 +55,8 @@ class RequestTrace:
 
     rounds: list[tuple[int, int]]
     gamma: int  # the recorded run's schedule.gamma (its lookahead cap)
+    # per round, the drafted tokens' features (testbed.spec.lookahead; empty: not recorded)
+    features: list[list[list[float]]] | None = None
 
     def __post_init__(self) -> None:
         # match[j]: 1 matched, 0 rejected, -1 unobserved; starts[j]: round index starting at j
@@ -69,6 +72,27 @@ class RequestTrace:
             self.covering += [(j, d)] * (len(self.match) - j)
         known = [m for m in self.match if m >= 0]
         self.match_rate = sum(known) / len(known) if known else 0.0
+        self._index_features()
+
+    def _index_features(self) -> None:
+        """Features per stream position (the guess drafted there from the committed prefix) and
+        pools: matched / rejected positions' features, and guesses drafted after a rejection
+        in their round (drawn where the replay leaves the recorded stream)."""
+        self.at: dict[int, list[float]] = {}
+        self.pools: dict[str, list[list[float]]] = {"match": [], "reject": [], "after": []}
+        if not self.features:
+            return
+        for j, idx in self.starts.items():
+            d, n = self.rounds[idx]
+            for i, row in enumerate(self.features[idx][:d]):
+                if i <= n:
+                    self.at[j + i] = row
+                    self.pools["match" if i < n else "reject"].append(row)
+                else:
+                    self.pools["after"].append(row)
+        for name, alt in (("reject", "after"), ("after", "reject"), ("match", "reject")):
+            if not self.pools[name]:
+                self.pools[name] = self.pools[alt] or self.pools["match"] or self.pools["reject"]
 
     @property
     def length(self) -> int:
@@ -119,9 +143,18 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
     if exp.backend == "sim":
         real = [(d, s) for d, s in runs if s.get("backend") == "real"]
         runs = real or runs
+    # a per-token policy replays the features of a static run (it drafted every position),
+    # whichever policy it predicts; other policies prefer a recording of themselves
+    runs = [(d, s) for d, s in runs if _static_recording(s, exp)] or runs
     for same in (_same_gamma, _same_tree, _same_tp, _same_dsd):  # preferences, in order: narrow if any match
         runs = [(d, s) for d, s in runs if same(s, exp)] or runs
     return runs
+
+
+def _static_recording(s: dict, exp: ExperimentConfig) -> bool:
+    own = exp.lookahead.policy
+    wanted = "static" if own in ("confidence", "disco", "oracle") else own
+    return s.get("lookahead", "static") == wanted
 
 
 def _same_gamma(s: dict, exp: ExperimentConfig) -> bool:
@@ -149,7 +182,9 @@ def _same_tp(s: dict, exp: ExperimentConfig) -> bool:
 
 
 def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
-    """Every recorded request of the selected runs, in order; ConfigError when there is none."""
+    """Every recorded request of the selected runs, in order; ConfigError when there is none.
+    Per-token draft features are loaded when the lookahead policy reads them."""
+    with_features = exp.lookahead.policy in ("confidence", "disco")
     raw = exp.acceptance.trace_path
     if not raw:
         raise ConfigError("acceptance.trace_path", raw, f"a real run directory (acceptance=trace replays one); {HOWTO}")
@@ -163,17 +198,25 @@ def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
     traces: list[RequestTrace] = []
     for run_dir, summary in runs:
         try:
-            rounds = pd.read_parquet(run_dir / "rounds.parquet",
-                                     columns=["request_id", "round", "drafted", "accepted"])
+            rounds = pd.read_parquet(run_dir / "rounds.parquet")
         except Exception as e:  # pyarrow raises several kinds for a damaged file
             raise ConfigError("acceptance.trace_path", raw, f"run directories with readable traces: "
                               f"{run_dir / 'rounds.parquet'} is not a readable parquet file "
                               f"({str(e).splitlines()[0][:100]}); re-record it") from None
         gamma = int(summary.get("gamma", 0))
+        feature_rows = rounds["draft_features"] if "draft_features" in rounds.columns else None
+        if with_features and feature_rows is None:
+            raise ConfigError("acceptance.trace_path", raw, f"a trace with per-token draft features for "
+                              f"lookahead={exp.lookahead.policy} ({run_dir} has none: real runs record them on "
+                              f"workload.split=trace or calibrate, or with a policy that reads them); {HOWTO}")
         for _, g in rounds.sort_values(["request_id", "round"]).groupby("request_id", sort=True):
             recs = list(zip(g["drafted"].astype(int), g["accepted"].astype(int)))
+            feats = None
+            if with_features:
+                flat = feature_rows.loc[g.index] if feature_rows is not None else []
+                feats = [[list(map(float, f[i:i + FEATURES])) for i in range(0, len(f), FEATURES)] for f in flat]
             if recs:
-                traces.append(RequestTrace(recs, gamma))
+                traces.append(RequestTrace(recs, gamma, feats))
     if not traces:
         raise ConfigError("acceptance.trace_path", raw, f"a run with recorded rounds (its rounds.parquet is empty); {HOWTO}")
     return traces
@@ -201,8 +244,43 @@ class TraceSequence(SequenceOracle):
             return gamma
         return max(0, min(gamma, drafted - (self.pos - start)))
 
-    def chain_round(self, gamma: int) -> ChainOutcome:
+    def _features(self, j: int, matched: bool, on_stream: bool) -> list[float] | None:
         t = self.trace
+        if not t.pools["match"] and not t.pools["reject"]:
+            return None
+        row = t.at.get(j % t.length) if on_stream else None
+        if row is None:
+            pool = t.pools["after"] if not on_stream else t.pools["match" if matched else "reject"]
+            row = pool[self.rng.randrange(len(pool))]
+        return row
+
+    def _policy_round(self, gamma: int, policy: LookaheadPolicy) -> ChainOutcome:
+        """A round whose length the policy decides token by token: features from the recorded
+        guess at each stream position (drawn from the request's pools where none was recorded,
+        or after the round's first rejection, where the draft left the recorded stream)."""
+        cap = self._proposals(gamma)
+        ratios: list[float] = []
+        dropped, off_stream = 0, False
+        for i in range(cap):
+            ok = False if off_stream else self._matched(self.pos + i)
+            feats = self._features(self.pos + i, ok, not off_stream) if policy.needs_features else None
+            decision = policy.after_token(features=feats, position=i + 1,
+                                          accepted=ok if policy.needs_acceptance else None)
+            if decision is Decision.DROP:
+                dropped = 1
+                break
+            ratios.append(1.0 if ok else 0.0)
+            off_stream = off_stream or not ok
+            if decision is Decision.STOP:
+                break
+        n = accepted_prefix(ratios, [1.0] * len(ratios))
+        self.pos = (self.pos + n + 1) % self.trace.length
+        return ChainOutcome(accepted=n, ratios=ratios, proposed=len(ratios), dropped=dropped)
+
+    def chain_round(self, gamma: int, policy: LookaheadPolicy | None = None) -> ChainOutcome:
+        t = self.trace
+        if policy is not None and policy.per_token:
+            return self._policy_round(gamma, policy)
         idx = t.starts.get(self.pos)
         if idx is not None and gamma == t.gamma:  # the recorded round, exactly
             drafted, accepted = t.rounds[idx]

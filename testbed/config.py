@@ -16,8 +16,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from testbed.paths import CONF_DIR
 from testbed.schedules import BACKENDS, SCHEDULES, unsupported
+from testbed.spec.lookahead import POLICIES as LOOKAHEADS
 
-LOOKAHEADS = ("static", "heuristic")
 ORACLES = ("iid", "synthetic", "trace")
 COST_MODELS = ("analytic", "roofline", "profile")
 PROFILE_DRIFTS = ("none", "probe")
@@ -56,6 +56,8 @@ class ScheduleConfig:
 @dataclass
 class LookaheadConfig:
     policy: str = "static"
+    threshold: float | None = None  # confidence: 0.4; disco: the classifier file's tuned one
+    path: str | None = None  # disco: the classifier file (python -m real.train_disco)
 
 
 @dataclass
@@ -339,6 +341,35 @@ def _validate_model(prefix: str, m: ModelConfig, backend: str) -> None:
         _int_range(f"{prefix}.ngram", m.ngram, 1, 16)
 
 
+def _validate_lookahead(exp: ExperimentConfig) -> None:
+    """lookahead=... and its options (testbed/spec/lookahead.py)."""
+    from testbed.spec.lookahead import PER_TOKEN, ClassifierError, load_classifier, resolve_path
+
+    la, s = exp.lookahead, exp.schedule
+    _choice("lookahead", la.policy, LOOKAHEADS)
+    if la.threshold is not None:
+        if la.policy not in ("confidence", "disco"):
+            raise ConfigError("lookahead.threshold", la.threshold,
+                              "unset with lookahead=" + la.policy + " (only confidence and disco use a threshold)")
+        _float_range("lookahead.threshold", la.threshold, 0.0, 1.0)
+    if la.path is not None and la.policy != "disco":
+        raise ConfigError("lookahead.path", la.path, f"unset with lookahead={la.policy} (only disco loads a classifier)")
+    if la.policy in PER_TOKEN and (s.name != "sync" or s.tree):
+        raise ConfigError("lookahead", la.policy, "static or heuristic with schedule=" + s.name
+                          + (" (tree)" if s.tree else "") + " (per-token stopping runs in the sync chain)")
+    if la.policy in ("confidence", "disco") and exp.backend == "sim" and exp.acceptance.oracle == "iid":
+        raise ConfigError("lookahead", la.policy, "static, heuristic or oracle with acceptance=iid (it has "
+                          "no draft distributions: use acceptance=synthetic or acceptance=trace)")
+    if la.policy == "oracle" and exp.backend == "real" and exp.sampling.temperature != 0:
+        raise ConfigError("lookahead", la.policy, "another policy with sampling.temperature>0 on backend=real "
+                          "(the oracle knows the target's choices from its greedy continuation)")
+    if la.policy == "disco":
+        try:
+            load_classifier(str(resolve_path(la.path)), exp.pair.target.name if exp.backend == "real" else "")
+        except ClassifierError as e:
+            raise ConfigError("lookahead.path", la.path, str(e)) from None
+
+
 def validate(exp: ExperimentConfig) -> ExperimentConfig:
     """Raise ConfigError on the first bad value; return the config unchanged otherwise."""
     _choice("backend", exp.backend, BACKENDS)
@@ -353,7 +384,7 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _float_range("schedule.lambda1", s.lambda1, 0.0, lo_open=True)
     _float_range("schedule.lambda2", s.lambda2, 0.0, 1.0)
     _float_range("schedule.lambda3", s.lambda3, 0.0, 1.0)
-    _choice("lookahead", exp.lookahead.policy, LOOKAHEADS)
+    _validate_lookahead(exp)
 
     t, d = exp.pair.target, exp.pair.draft
     _validate_model("pair.target", t, exp.backend)

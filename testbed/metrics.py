@@ -24,7 +24,7 @@ from testbed.config import ExperimentConfig
 from testbed.schedules import schedule_impl
 
 KEY_FIELDS = ("backend", "schedule", "pair", "hardware", "target_gpus", "draft_gpus", "nodes",
-              "gamma", "workload", "temperature", "seed")
+              "gamma", "workload", "temperature", "seed", "lookahead")
 # for token trees mean_accepted_len (tokens per verification) is the acceptance figure to read:
 # alpha counts a tree's rejected siblings too, so a tree's alpha says little next to a chain's
 HEADLINE = ("tokens_per_s", "tpot_ms", "speedup", "alpha", "mean_accepted_len", "tree_shape",
@@ -52,6 +52,7 @@ def experiment_key(exp: ExperimentConfig) -> dict[str, Any]:
         "workload": exp.workload.name,
         "temperature": exp.sampling.temperature,
         "seed": exp.seed,
+        "lookahead": exp.lookahead.policy if exp.schedule.name != "ar" else "static",
     }
 
 

@@ -61,7 +61,7 @@ def test_report_writes_validation_csv_and_parity_plot(sweep: Path, tmp_path: Pat
     md = build_report([sweep], out).read_text()
     csv = pd.read_csv(out / "validation.csv")
     assert list(csv.columns) == ["schedule", "pair", "hardware", "target_gpus", "draft_gpus", "nodes",
-                                 "gamma", "workload", "temperature", "seed", "split", "dsd_point", "family", "metric",
+                                 "gamma", "workload", "temperature", "seed", "lookahead", "split", "dsd_point", "family", "metric",
                                  "predicted", "measured", "error_pct", "predicted_low",
                                  "predicted_high", "measured_low", "measured_high", "inside"]
     assert {"tokens_per_s", "tpot_ms", "mean_accepted_len"} <= set(csv["metric"])

@@ -7,8 +7,10 @@ from __future__ import annotations
 import torch
 
 from real.context import RealContext, RealRequest, finish
+from real.drafts import NgramDraft
+from real.generate import greedy_generate
 from real.schedules import register
-from testbed.spec.lookahead import make_lookahead
+from testbed.spec.lookahead import OracleLookahead, lookahead_for
 from testbed.spec.speculative import speculative_step
 
 
@@ -17,8 +19,17 @@ def serve_sync(ctx: RealContext, req: RealRequest) -> None:
     assert ctx.draft is not None
     exp, rec, rid, draft = ctx.exp, ctx.rec, req.request_id, ctx.draft
     gen = ctx.generator(req.request_id)
-    policy = make_lookahead(exp.lookahead.policy, exp.schedule.gamma)
+    policy = lookahead_for(exp)
     ids = list(req.prompt_ids)
+    if isinstance(policy, OracleLookahead):  # untimed: the target's greedy continuation
+        room = ctx.target.model.max_seq - len(ids)
+        policy.reference = ids + greedy_generate(ctx.target.model, ids, min(room, req.max_new_tokens + exp.schedule.gamma),
+                                                 sorted(ctx.eos))
+    # per-token draft features for the trace: on the splits that feed traces (acceptance=trace
+    # replays them: testbed.workloads.TRACE_SOURCE) and whenever the policy reads them
+    draft.record_features = policy.needs_features or exp.workload.split in ("calibrate", "trace")
+    features = rec.extra_round_columns.setdefault("draft_features", [])
+    forwards = 0  # draft forwards (an oracle's dropped guess was drafted); none for n-gram lookups
     s = ctx.now()
     ctx.target.prefill(ids)
     m = ctx.now()
@@ -32,7 +43,7 @@ def serve_sync(ctx: RealContext, req: RealRequest) -> None:
     while not done:
         gamma = policy.next_gamma()
         s = ctx.now()
-        guesses, q = draft.propose(ids, gamma, gen)
+        guesses, q = draft.propose(ids, gamma, gen, policy)
         m = ctx.now()
         p = ctx.target.probs([ids[-1], *guesses], len(ids) - 1)
         step = speculative_step(p, q, torch.tensor(guesses, dtype=torch.long), gen)
@@ -43,6 +54,8 @@ def serve_sync(ctx: RealContext, req: RealRequest) -> None:
         before = len(out)
         out, done = finish(out, step.tokens, req.max_new_tokens, ctx.eos)
         policy.observe(k, n)
+        features.append([x for row in draft.last_features for x in row])
+        forwards += 0 if isinstance(draft, NgramDraft) else k + draft.last_dropped
         rec.round(request_id=rid, round_idx=r, start_s=s, end_s=e, drafted=k, checked=n + (n < k),
                   accepted=n, emitted=len(out) - before, verified_tokens=k + 1, draft_s=m - s,
                   target_s=e - m)
@@ -51,3 +64,4 @@ def serve_sync(ctx: RealContext, req: RealRequest) -> None:
         ctx.on_tokens(len(out) - before)
         r += 1
     rec.request(rid, req.prompt_id, len(req.prompt_ids), out, len(out), prefill_s, ctx.now() - start, r)
+    ctx.extra["draft_forwards"] = ctx.extra.get("draft_forwards", 0) + forwards

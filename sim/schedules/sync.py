@@ -13,14 +13,16 @@ from typing import Any
 
 from sim.context import SimContext, SimRequest
 from sim.schedules import register
-from testbed.spec.lookahead import make_lookahead
+from testbed.spec.lookahead import lookahead_for
 
 
 @register("sync")
 def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     env, cost, rec, exp = ctx.env, ctx.cost, ctx.rec, ctx.exp
     seq = ctx.oracle.sequence(req.request_id, req.prompt_len)
-    policy = make_lookahead(exp.lookahead.policy, exp.schedule.gamma)
+    policy = lookahead_for(exp)
+    forwards = 0  # draft forwards (an oracle's dropped guess was drafted); none for n-gram
+    ngram = exp.pair.draft.kind == "ngram"
     rid = req.request_id
     t0 = env.now
     pf_target = cost.prefill("target", req.prompt_len)
@@ -41,11 +43,13 @@ def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         s = env.now
         # the oracle decides first (it does not depend on time): a replayed n-gram draft may
         # propose fewer than γ guesses, and the forwards below cost what was proposed
-        outcome = seq.chain_round(gamma)
+        outcome = seq.chain_round(gamma, policy)
         k = gamma if outcome.proposed is None else outcome.proposed
+        fw = k + outcome.dropped
         draft_s = forward("draft", pending, seq_len - pending)
-        for i in range(1, k):
+        for i in range(1, fw):
             draft_s += forward("draft", 1, seq_len + i - 1)
+        forwards += 0 if ngram else fw
         target_s = forward("target", k + 1, seq_len - 1)
         yield timeout(draft_s + target_s)
         n = outcome.accepted
@@ -53,7 +57,8 @@ def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         out.extend(outcome.tokens[:emitted])
         generated += emitted
         seq_len += n + 1
-        pending = 2 if k and n == k else 1
+        # the last guess is fed next round, unless a dropped guess's forward fed it already
+        pending = 2 if k and n == k and not outcome.dropped else 1
         policy.observe(k, n)
         rec.round(request_id=rid, round_idx=r, start_s=s, end_s=env.now, drafted=k,
                   checked=n + (n < k), accepted=n, emitted=emitted, verified_tokens=k + 1,
@@ -62,3 +67,4 @@ def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         rec.span("target", "verify", s + draft_s, env.now, rid, r)
         r += 1
     rec.request(rid, req.prompt_id, req.prompt_len, out, generated, prefill_s, env.now - start, r)
+    ctx.extra["draft_forwards"] = ctx.extra.get("draft_forwards", 0) + forwards

@@ -67,6 +67,7 @@ def markdown_table(df: pd.DataFrame, floatfmt: str | None = None) -> str:
 
 def _load_sections(runs: list[Run]) -> None:
     import testbed.report.sections  # noqa: F401  (registers the built-in sections)
+    import testbed.report.sections_lookahead  # noqa: F401  (lookahead policies: DISCO's Table 1)
     import testbed.report.sections_repeats  # noqa: F401  (real.repeats: intervals, machine state)
     import testbed.report.sections_sim  # noqa: F401  (GPU split, DSD, Gantt charts)
     import testbed.report.sections_wan  # noqa: F401  (DSD measured beside predicted)

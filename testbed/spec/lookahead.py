@@ -1,21 +1,166 @@
-"""Lookahead policies: how many tokens to draft in the next round (DESIGN: lookahead=...).
+"""Lookahead policies: how far the draft drafts in a round (DESIGN: lookahead=...).
+
+Two decisions, both capped at γ = ``schedule.gamma`` (SL_max):
+
+- before a round, ``next_gamma()``: the window's cap (static: γ; heuristic: HF's +2/−1);
+- after every draft token, ``after_token(features=, position=, accepted=)``: keep drafting,
+  stop after this token, or (oracle only) drop this token and stop. Real drafts
+  (real/drafts.py) and the simulator's oracles (sim/oracle*.py) call it the same way, with the
+  same per-token features (``draft_token_features``).
+
+Policies:
 
 - static: always γ (Leviathan et al.).
-- heuristic: HF assisted generation's schedule — +2 after a round where every guess was
-  accepted, −1 otherwise, within [1, γ_max]; starts at γ_max.
+- heuristic: HF assisted generation — +2 after a fully accepted round, −1 otherwise, in [1, γ].
+- confidence: HF's ``assistant_confidence_threshold`` — stop after a token whose draft
+  probability is below ``lookahead.threshold`` (0.4).
+- disco: seed 004 (DISCO) — a 2-layer FFN over Concat(top-k(p_D), Ent(p_D), i) gives the
+  confidence that the token will be accepted; stop when it is below the threshold. Weights
+  from ``lookahead.path`` (trained by ``python -m real.train_disco``).
+- oracle: the upper bound — draft exactly as far as the target accepts: keep a token the
+  target would accept, drop the first one it would reject. The caller says which (real: the
+  target's greedy continuation at temperature 0; simulator: the oracle's acceptance).
+
+Features of a draft token (what real runs record into the trace, ``FEATURES`` floats): the
+draft's top-10 probabilities, its entropy (nats) and the chosen token's probability, all under
+the draft's raw softmax (temperature 1, no top-k/top-p), so they do not depend on sampling.
+This module does not import torch at import time (the simulator's i.i.d. runs never load it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+import json
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+TOP_K = 10
+FEATURES = TOP_K + 2  # top-k probabilities, entropy, chosen-token probability
+ENTROPY, CHOSEN = TOP_K, TOP_K + 1  # indices in a feature vector
+ONE_HOT_FEATURES = (1.0,) + (0.0,) * (TOP_K - 1) + (0.0, 1.0)  # a deterministic draft (n-gram)
+PER_TOKEN = ("confidence", "disco", "oracle")  # policies that decide after every token
+POLICIES = ("static", "heuristic", *PER_TOKEN)
+CONFIDENCE_THRESHOLD = 0.4  # HF assisted generation's default assistant_confidence_threshold
+DISCO_FORMAT = "specbed-disco-1"
+TRAIN_HOWTO = "train one with `python -m real.train_disco` (or use the shipped models/disco/*.json)"
+
+
+class Decision(enum.Enum):
+    CONTINUE = "continue"  # keep this token, draft another (unless the window is full)
+    STOP = "stop"  # keep this token, end the window
+    DROP = "drop"  # the oracle: the target would reject this token; end the window without it
+
+
+class ClassifierError(ValueError):
+    """A missing or mismatched DISCO classifier file (reported on key lookahead.path)."""
+
+
+def draft_token_features(logits: torch.Tensor, token: int, *, chosen_only: bool = False) -> list[float]:
+    """The ``FEATURES`` floats of one draft token from the draft's logits ``[V]``.
+    ``chosen_only``: the chosen token's probability alone (one pass over the vocabulary, for
+    the confidence policy), the other entries NaN."""
+    import torch
+
+    if chosen_only:
+        x = logits.float()
+        return [math.nan] * CHOSEN + [math.exp(float(x[token] - torch.logsumexp(x, dim=-1)))]
+
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    top = torch.topk(p, min(TOP_K, p.numel())).values.tolist()
+    entropy = float(-(p * logp).nan_to_num().sum())
+    return [*top, *[0.0] * (TOP_K - len(top)), entropy, float(p[token])]
+
+
+def window_features(rows: list[list[float]]) -> np.ndarray:
+    """Classifier inputs for consecutive draft tokens: Concat(top-k, entropy, position i)."""
+    x = np.asarray(rows, dtype=np.float32).reshape(-1, FEATURES)[:, :ENTROPY + 1]
+    pos = np.arange(1, len(x) + 1, dtype=np.float32)[:, None]
+    return np.concatenate([x, pos], axis=1)
 
 
 @dataclass
+class DiscoClassifier:
+    """DISCO's 2-layer FFN: standardised inputs -> ReLU hidden layer -> sigmoid confidence."""
+
+    mean: np.ndarray
+    std: np.ndarray
+    w1: np.ndarray  # [hidden, inputs]
+    b1: np.ndarray
+    w2: np.ndarray  # [hidden]
+    b2: float
+    threshold: float
+    sl_max: int
+    meta: dict = field(default_factory=dict)
+
+    def confidence(self, x: np.ndarray) -> np.ndarray:
+        """P(accepted) for classifier inputs ``x [n, TOP_K + 2]``."""
+        h = np.maximum(((x - self.mean) / self.std) @ self.w1.T + self.b1, 0.0)
+        z = h @ self.w2 + self.b2
+        return 1.0 / (1.0 + np.exp(-z))
+
+    def to_json(self) -> dict:
+        return {"format": DISCO_FORMAT, "top_k": TOP_K, "inputs": TOP_K + 2,
+                "mean": self.mean.tolist(), "std": self.std.tolist(), "w1": self.w1.tolist(),
+                "b1": self.b1.tolist(), "w2": self.w2.tolist(), "b2": self.b2,
+                "threshold": self.threshold, "sl_max": self.sl_max, **self.meta}
+
+
+@lru_cache(maxsize=8)
+def load_classifier(path: str, target: str = "") -> DiscoClassifier:
+    """Read a classifier file; ClassifierError names what is wrong and how to get a good one.
+    ``target``: the run's target model name; a file trained for another target is refused."""
+    p = Path(path)
+    if not p.is_file():
+        raise ClassifierError(f"no such file; {TRAIN_HOWTO}")
+    try:
+        d = json.loads(p.read_text())
+        if d.get("format") != DISCO_FORMAT or d.get("top_k") != TOP_K or d.get("inputs") != TOP_K + 2:
+            raise ValueError(f"not a {DISCO_FORMAT} file with top_k={TOP_K}")
+        w1 = np.asarray(d["w1"], dtype=np.float32)
+        clf = DiscoClassifier(
+            mean=np.asarray(d["mean"], dtype=np.float32), std=np.asarray(d["std"], dtype=np.float32),
+            w1=w1, b1=np.asarray(d["b1"], dtype=np.float32), w2=np.asarray(d["w2"], dtype=np.float32),
+            b2=float(d["b2"]), threshold=float(d["threshold"]), sl_max=int(d["sl_max"]),
+            meta={k: d[k] for k in ("pair", "target", "draft", "trained") if k in d})
+        n_in = TOP_K + 2
+        if (w1.ndim != 2 or w1.shape[1] != n_in or clf.mean.shape != (n_in,) or clf.std.shape != (n_in,)
+                or clf.b1.shape != (w1.shape[0],) or clf.w2.shape != (w1.shape[0],)):
+            raise ValueError(f"weight shapes do not match a {n_in}-input 2-layer FFN")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ClassifierError(f"a readable DISCO classifier ({str(e)[:120]}); {TRAIN_HOWTO}") from None
+    if target and clf.meta.get("target") not in (None, target):
+        raise ClassifierError(f"a classifier trained for target {target!r} (this one is for "
+                              f"{clf.meta.get('target')!r}); {TRAIN_HOWTO}")
+    return clf
+
+
+# ---------------------------------------------------------------------------------- policies
+@dataclass
 class LookaheadPolicy:
+    """static: γ every round, never stops early."""
+
     gamma_max: int
+    needs_features: bool = False  # after_token reads the features (else callers may pass none)
+    needs_acceptance: bool = False  # after_token reads `accepted` (the oracle)
+    chosen_only: bool = False  # of the features, after_token reads the chosen probability only
+    per_token: bool = False  # after_token may end a window early
 
     def next_gamma(self) -> int:
         return self.gamma_max
+
+    def after_token(self, *, features: list[float] | tuple[float, ...] | None, position: int,
+                    accepted: bool | None = None) -> Decision:
+        """After draft token ``position`` (1-based) of the window."""
+        return Decision.CONTINUE
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Feedback after a verification."""
@@ -38,9 +183,85 @@ class HeuristicLookahead(LookaheadPolicy):
             self.current = max(1, self.current - 1)
 
 
-def make_lookahead(policy: str, gamma_max: int) -> LookaheadPolicy:
+@dataclass
+class ConfidenceLookahead(LookaheadPolicy):
+    threshold: float = CONFIDENCE_THRESHOLD
+
+    def __post_init__(self) -> None:
+        self.needs_features = self.per_token = self.chosen_only = True
+
+    def after_token(self, *, features: list[float] | tuple[float, ...] | None, position: int,
+                    accepted: bool | None = None) -> Decision:
+        assert features is not None
+        return Decision.STOP if features[CHOSEN] < self.threshold else Decision.CONTINUE
+
+
+@dataclass
+class DiscoLookahead(LookaheadPolicy):
+    classifier: DiscoClassifier | None = None
+    threshold: float = 0.5
+
+    def __post_init__(self) -> None:
+        self.needs_features = self.per_token = True
+        self._cache: dict[tuple, bool] = {}
+
+    def after_token(self, *, features: list[float] | tuple[float, ...] | None, position: int,
+                    accepted: bool | None = None) -> Decision:
+        assert features is not None and self.classifier is not None
+        x = np.asarray([*features[:ENTROPY + 1], float(position)], dtype=np.float32)[None, :]
+        conf = float(self.classifier.confidence(x)[0])
+        return Decision.STOP if conf < self.threshold else Decision.CONTINUE
+
+
+@dataclass
+class OracleLookahead(LookaheadPolicy):
+    """Keeps what the target accepts; ``reference`` (real, temperature 0): the target's greedy
+    sequence (prompt + continuation), set per request; ``would_accept`` reads it."""
+
+    reference: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.needs_acceptance = self.per_token = True
+
+    def would_accept(self, slot: int, token: int) -> bool:
+        return slot < len(self.reference) and self.reference[slot] == token
+
+    def after_token(self, *, features: list[float] | tuple[float, ...] | None, position: int,
+                    accepted: bool | None = None) -> Decision:
+        assert accepted is not None, "the oracle policy needs the target's verdict"
+        return Decision.CONTINUE if accepted else Decision.DROP
+
+
+def make_lookahead(policy: str, gamma_max: int, *, threshold: float | None = None,
+                   classifier: DiscoClassifier | None = None) -> LookaheadPolicy:
     if policy == "static":
         return LookaheadPolicy(gamma_max)
     if policy == "heuristic":
         return HeuristicLookahead(gamma_max)
-    raise ValueError(f"lookahead={policy!r}: allowed static, heuristic")
+    if policy == "confidence":
+        return ConfidenceLookahead(gamma_max, threshold=CONFIDENCE_THRESHOLD if threshold is None else threshold)
+    if policy == "disco":
+        if classifier is None:
+            raise ValueError("lookahead=disco needs its classifier (lookahead.path)")
+        return DiscoLookahead(gamma_max, classifier=classifier,
+                              threshold=classifier.threshold if threshold is None else threshold)
+    if policy == "oracle":
+        return OracleLookahead(gamma_max)
+    raise ValueError(f"lookahead={policy!r}: allowed {', '.join(POLICIES)}")
+
+
+def lookahead_for(exp: object) -> LookaheadPolicy:
+    """The run's policy from ``exp.lookahead`` and ``exp.schedule.gamma`` (both backends)."""
+    la, gamma = exp.lookahead, exp.schedule.gamma  # type: ignore[attr-defined]
+    clf = None
+    if la.policy == "disco":
+        # a file trained for another target is refused on real; the simulator models a pair
+        target = exp.pair.target.name if exp.backend == "real" else ""  # type: ignore[attr-defined]
+        clf = load_classifier(str(resolve_path(la.path)), target)
+    return make_lookahead(la.policy, gamma, threshold=la.threshold, classifier=clf)
+
+
+def resolve_path(path: str | None) -> Path:
+    from testbed.paths import repo_path
+
+    return repo_path(path or "")

@@ -48,6 +48,7 @@ def speculative_step(
     q: torch.Tensor,
     draft_tokens: torch.Tensor,
     generator: torch.Generator | None = None,
+    uniforms: list[float] | None = None,
 ) -> SpecStep:
     """Algorithm 1 after the forwards: p [γ+1, V] from the target, q [γ, V] and the γ guesses
     drawn from q by the draft. Returns the accepted guesses plus one token from the target."""
@@ -55,7 +56,10 @@ def speculative_step(
     assert p.shape[0] == gamma + 1 and q.shape[0] == gamma, (p.shape, q.shape, gamma)
     ratios = acceptance_ratios(p[:gamma], q, draft_tokens).tolist() if gamma else []
     # r ~ U(0, 1]: with U[0, 1) an r of exactly 0 would accept a guess the target gives p = 0
-    uniforms = (1.0 - torch.rand(gamma, generator=generator)).tolist() if gamma else []
+    # (``uniforms`` given: drawn earlier by a caller that had to know the verdicts while
+    # drafting — the simulator's lookahead oracle)
+    if uniforms is None:
+        uniforms = (1.0 - torch.rand(gamma, generator=generator)).tolist() if gamma else []
     n = accepted_prefix(ratios, uniforms)
     p_next = residual(p[n], q[n]) if n < gamma else p[n]
     t = sample(p_next, generator)
