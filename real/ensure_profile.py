@@ -51,7 +51,9 @@ def swept_pairs(config: DictConfig) -> list[str]:
             return str(o).split("=", 1)[1].split(",")
     sweeper = config.hydra.sweeper
     values = [(sweeper.get("params") or {}).get("pair")]
-    values += [(g or {}).get("pair") for g in (sweeper.get("grids") or {}).values()]  # hydra_plugins.specbed_sweeper
+    only = sweeper.get("only")  # hydra_plugins.specbed_sweeper: the grids that will run
+    values += [(g or {}).get("pair") for name, g in (sweeper.get("grids") or {}).items()
+               if not only or name in only]
     return list(dict.fromkeys(p for v in values if v for p in str(v).split(",")))
 
 
@@ -75,14 +77,19 @@ def missing_draft_weights(pairs: list[str]) -> list[str]:
 
 
 class EnsureProfile(Callback):
-    def __init__(self, force: bool = False) -> None:
-        self.force = force
+    """``hardware``: measure only for sweeps on this hardware (`+sweep=gpu_split` predicts
+    published nodes from the roofline and this machine from the profile)."""
+
+    def __init__(self, force: bool = False, hardware: str | None = None) -> None:
+        self.force, self.hardware = force, hardware
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         import sys
 
         from real.calibrate import calibrate, profile_path
 
+        if self.hardware is not None and config.hardware.name != self.hardware:
+            return
         missing = missing_draft_weights(swept_pairs(config))
         if missing:  # fail before minutes of calibration, not in the middle of the sweep
             print("error: " + "; ".join(missing) + " — train/copy them, or choose the pairs "

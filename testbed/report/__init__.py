@@ -71,6 +71,7 @@ def _load_sections(runs: list[Run]) -> None:
 
     if {r.summary.get("backend") for r in runs} >= {"sim", "real"}:
         import testbed.report.sections_validate  # noqa: F401  (sim vs real: validation.csv, parity)
+        import testbed.report.sections_split  # noqa: F401  (gpu_split: predicted vs measured)
 
 
 def build_report(paths: Iterable[Path | str], out_dir: Path | str, figures: bool = True) -> Path:
