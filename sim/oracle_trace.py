@@ -41,6 +41,7 @@ import pandas as pd
 from sim.oracle import ORACLES, ChainOutcome, SequenceOracle, TokenOracle
 from testbed.config import ConfigError, ExperimentConfig
 from testbed.results import run_split
+from testbed.schedules import schedule_impl
 from testbed.spec.speculative import accepted_prefix
 from testbed.workloads import TRACE_SOURCE
 
@@ -97,6 +98,8 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
         raise ConfigError("acceptance.trace_path", str(path), f"an existing directory; {HOWTO}")
     # `ar` (a baseline) replays nothing: the rounds of either kind do
     wanted = {"sync_tree"} if exp.schedule.tree else {"sync"} if exp.schedule.name == "sync" else {"sync", "sync_tree"}
+    if exp.schedule.name == "async":  # an async run's own rounds, else a serial tree's
+        wanted = {"async", "sync_tree"}
     runs = [(d, s) for d, s in _runs_below(path) if s.get("schedule") in wanted
             and (d / "rounds.parquet").exists()]
     if (path / "summary.json").exists():
@@ -113,9 +116,13 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
     if exp.backend == "sim":
         real = [(d, s) for d, s in runs if s.get("backend") == "real"]
         runs = real or runs
-    for same in (_same_gamma, _same_tree, _same_tp):  # preferences, in order: narrow if any match
+    for same in (_same_schedule, _same_gamma, _same_tree, _same_tp):  # preferences, in order: narrow if any match
         runs = [(d, s) for d, s in runs if same(s, exp)] or runs
     return runs
+
+
+def _same_schedule(s: dict, exp: ExperimentConfig) -> bool:
+    return s.get("schedule") == schedule_impl(exp)
 
 
 def _same_gamma(s: dict, exp: ExperimentConfig) -> bool:
@@ -124,6 +131,9 @@ def _same_gamma(s: dict, exp: ExperimentConfig) -> bool:
 
 def _same_tree(s: dict, exp: ExperimentConfig) -> bool:
     t = exp.schedule
+    if t.name == "async":  # d is chosen at run time unless schedule.tree_depth sets it
+        return (s.get("tree_width") == t.tree_width and s.get("tree_budget") == t.tree_budget
+                and (not t.tree_depth or s.get("tree_depth_used") == t.tree_depth))
     return not t.tree or (s.get("tree_width") == t.tree_width and s.get("tree_budget") == t.tree_budget
                           and s.get("tree_depth_used") == (t.tree_depth or t.gamma))
 

@@ -74,3 +74,23 @@ def test_contention_is_measured_with_two_pinned_workers(tmp_path: Path) -> None:
             assert all(f > 0 for f in t["factor"]) and all(s > 0 for s in t["alone_s"] + t["busy_s"])
     assert any("while d runs on the other core" in line for line in lines)
     assert live_workers() == []
+
+
+def test_async_prediction_replays_the_async_run_before_a_serial_tree(tmp_path: Path) -> None:
+    """acceptance=trace for async: the recorded async run of the same shape, not a sync_tree one."""
+    import json
+
+    from sim.oracle_trace import select_trace_runs
+    from tests.test_cost_profile_tp import BUDGET, WIDTH, write_tree_run
+
+    write_tree_run(tmp_path / "tree", [[0] * 39 + [0]])
+    write_tree_run(tmp_path / "async", [[0] * 39 + [0]])
+    summary = tmp_path / "async" / "summary.json"
+    s = json.loads(summary.read_text())
+    summary.write_text(json.dumps({**s, "schedule": "async", "target_gpus": 1, "draft_gpus": 1}))
+    exp = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "schedule=async",
+                      f"schedule.tree_width={WIDTH}", f"schedule.tree_budget={BUDGET}", "workload=humaneval",
+                      "workload.split=test", "acceptance=trace", f"acceptance.trace_path={tmp_path}")
+    assert [d.name for d, _ in select_trace_runs(tmp_path, exp)] == ["async"]
+    (tmp_path / "async" / "summary.json").unlink()
+    assert [d.name for d, _ in select_trace_runs(tmp_path, exp)] == ["tree"]  # the fallback

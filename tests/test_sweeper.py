@@ -40,3 +40,19 @@ def test_validate_sweep_has_the_serial_tree_grid_at_tp_1_and_2() -> None:
     assert {j[-1] for j in got[:3]} == {"+validate=calibrate", "+validate=measure", "+validate=predict"}
     assert all("schedule.tree=True" in j and "pair=smollm2_135m+smollm2_draft" in j for j in got)
     assert {next(o for o in j if o.startswith("+tp=")) for j in got} == {"+tp=tp1", "+tp=tp2"}
+
+
+def test_validate_sweep_has_the_async_grid() -> None:
+    from tests.conftest import compose_exp
+
+    sw = OmegaConf.load(CONF / "sweep" / "validate.yaml").hydra.sweeper
+    s = GridsSweeper(params=dict(sw.params), grids=OmegaConf.to_container(sw.grids), only=["async"])
+    got = jobs(s)
+    assert len(got) == 2 * 2 * 2 * 2 * 3  # pairs x workloads x temperatures x budgets x roles
+    seen = set()
+    for job in got[::3]:
+        exp = compose_exp("+sweep=validate", *[o for o in job if not o.startswith("+validate")])
+        seen.add((exp.pair.name, exp.workload.name, exp.sampling.temperature, exp.schedule.tree_budget))
+        assert exp.schedule.name == "async" and exp.placement.target_gpus == exp.placement.draft_gpus == 1
+    assert len(seen) == 16
+    assert {p for p, *_ in seen} == {"smollm2_135m+smollm2_draft", "smollm2_135m+ngram3"}
