@@ -217,9 +217,9 @@ class TraceSequence(SequenceOracle):
 
 class TraceOracle(TokenOracle):
     def __init__(self, exp: ExperimentConfig, seed: int) -> None:
-        if exp.schedule.name != "sync" and exp.schedule.name != "ar":
+        if exp.schedule.name not in ("sync", "ar", "async"):
             raise ConfigError("acceptance", "trace", f"iid or synthetic with schedule={exp.schedule.name} "
-                              "(a trace replays the rounds of sync, ar or the serial tree)")
+                              "(a trace replays the rounds of sync, ar, the serial tree or async)")
         self.traces = load_trace(exp)
         self.seed = seed
 
