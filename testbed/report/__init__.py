@@ -70,8 +70,8 @@ def _load_sections(runs: list[Run]) -> None:
     import testbed.report.sections_sim  # noqa: F401  (GPU split, DSD, Gantt charts)
 
     if {r.summary.get("backend") for r in runs} >= {"sim", "real"}:
-        import testbed.report.sections_validate  # noqa: F401  (sim vs real: validation.csv, parity)
         import testbed.report.sections_split  # noqa: F401  (gpu_split: predicted vs measured)
+        import testbed.report.sections_validate  # noqa: F401  (sim vs real: validation.csv, parity)
 
 
 def build_report(paths: Iterable[Path | str], out_dir: Path | str, figures: bool = True) -> Path:
