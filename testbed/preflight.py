@@ -352,8 +352,11 @@ def _grid_jobs(cfg: Any, args: list[str]) -> int:
         only = OmegaConf.to_container(sw, resolve=True).get("only")
     except OmegaConfBaseException:  # an interpolation only a running Hydra resolves: count unknown
         return 0
-    sweeper = GridsSweeper(params=dict(sw.get("params") or {}),
-                           grids=OmegaConf.to_container(sw.get("grids") or {}), only=only)
+    try:
+        sweeper = GridsSweeper(params=dict(sw.get("params") or {}),
+                               grids=OmegaConf.to_container(sw.get("grids") or {}), only=only)
+    except ValueError as e:  # e.g. +sweep=gpu_split on hardware it has no grid for
+        raise PreflightError(str(e)) from None
     parser = OverridesParser.create()
     cli = [a for a in args if "=" in a and not a.startswith(("+sweep=", "hydra."))]
     parsed = parser.parse_overrides([f"{k}={v}" for k, v in sweeper.params.items()] + cli)

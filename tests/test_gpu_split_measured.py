@@ -94,3 +94,9 @@ def test_gpu_split_real_sweep_end_to_end(tmp_path: Path) -> None:
     section = (tmp_path / "report.md").read_text().split("predicted vs measured")[1]
     for split in ("t1", "sync", "sync_tree", "ar"):
         assert f"| {split} |" in section
+
+
+def test_a_hardware_without_a_split_grid_is_a_one_line_error() -> None:
+    out = run_cli("+sweep=gpu_split", "hardware=h100x8", "hydra.sweep.dir=/tmp/never_written_gpu_split")
+    assert out.returncode == 2 and "no grid named sim_h100x8" in out.stderr
+    assert "Traceback" not in out.stderr and not Path("/tmp/never_written_gpu_split").exists()
