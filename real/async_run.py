@@ -18,6 +18,7 @@ workers; ``real.runtime.merge_records`` makes them one run (timeline.parquet).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,9 @@ from real.schedules.async_tree import (
 from real.tree_tokens import LocalModel
 from testbed.config import ExperimentConfig
 from testbed.recorder import RunRecorder, RunResult
+from testbed.spec.ngram import NgramTreeSource
 from testbed.spec.sampling import SamplingParams
+from testbed.spec.tree_drafter import DraftSource
 
 
 @dataclass
@@ -53,14 +56,15 @@ class AsyncServed:
 
 def check_draft(exp: ExperimentConfig) -> None:
     d = exp.pair.draft
-    if d.kind != "transformer":
+    if d.kind not in ("transformer", "ngram"):
         raise RealSetupError(f"pair.draft={d.name!r} ({d.kind}) cannot grow a token tree on a device "
                              "group of its own: schedule=async needs a draft model (e.g. "
-                             "pair=smollm2_135m+smollm2_draft); use schedule=sync for this draft")
+                             "pair=smollm2_135m+smollm2_draft, or pair.draft=ngram3); use schedule=sync for this draft")
 
 
 def _load(exp: ExperimentConfig, role: str, params: SamplingParams):  # type: ignore[no-untyped-def]
-    """(this group's model, the requests, EOS ids): both groups tokenize the prompts alike."""
+    """(this group's model — None for the n-gram draft —, the requests, EOS ids, the vocabulary
+    size): both groups tokenize the prompts alike."""
     from real.drafts import ModelDraft
     from real.engine import cache_slots
     from real.loading import build_requests, load, make_draft
@@ -72,13 +76,24 @@ def _load(exp: ExperimentConfig, role: str, params: SamplingParams):  # type: ig
     target_slots, draft_slots = cache_slots(exp, requests)
     if role == "target":
         model, slots = target, target_slots
+    elif exp.pair.draft.kind == "ngram":  # no model: the draft group only looks tokens up
+        return None, requests, eos, target.args.vocab_size
     else:
         draft = make_draft(exp, target, tokenizer, params)
         assert isinstance(draft, ModelDraft)  # check_draft ran in the launcher
         model, slots = draft.model, draft_slots
     if model.max_seq < slots:
         model.setup_cache(slots)
-    return model, requests, eos
+    return model, requests, eos, target.args.vocab_size
+
+
+def ngram_source(exp: ExperimentConfig, params: SamplingParams, vocab: int,
+                 ) -> Callable[[list[int], torch.Generator], DraftSource] | None:
+    """The n-gram draft's tree source factory (testbed.spec.ngram); None for a model draft."""
+    if exp.pair.draft.kind != "ngram":
+        return None
+    n, mode = exp.pair.draft.ngram, "topk" if params.greedy else "sample"
+    return lambda ids, gen: NgramTreeSource(ids, ngram=n, vocab=vocab, mode=mode, generator=gen)
 
 
 def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real.worker.WorkerContext
@@ -92,12 +107,13 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
     peer = Peer(ctx.transport_from(other) if ctx.is_leader else None,
                 ctx.transport_to(other) if ctx.is_leader else None, ctx.broadcast_decision)
     with torch.inference_mode():
-        model, requests, eos = _load(exp, role, params)
-        if ctx.group.tp > 1:
+        model, requests, eos, vocab = _load(exp, role, params)
+        if ctx.group.tp > 1 and model is not None:
             apply_tp(model, rank=ctx.info.index, world=ctx.group.tp, group=ctx.tp_group(),
                      allreduce=exp.real.allreduce)
         rec = ctx.rec if ctx.is_leader else RunRecorder()
-        side = Side(model, LocalModel(model), params, peer, rec, ctx.now, exp.seed)
+        side = Side(model, LocalModel(model) if model is not None else None, params, peer, rec,
+                    ctx.now, exp.seed, draft_source=ngram_source(exp, params, vocab))
         served = AsyncServed(role, [])
         if role == "target":
             probe_target(side, exp, requests[0])

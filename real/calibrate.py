@@ -476,8 +476,9 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
 
 def _measure_tp(exp: ExperimentConfig, models: dict[str, Any], grid: Any,
                 log: Callable[[str], None]) -> dict[str, Any]:
-    """The TP tables of the target and every draft model measured above, when the machine has
-    two cores for two pinned workers."""
+    """The TP tables of the target and every draft model measured above, and how much they slow
+    each other on two cores (real/calibrate_contention.py), when the machine has two cores."""
+    from real.calibrate_contention import add_contention
     from real.calibrate_tp import measure_tp
 
     if len(os.sched_getaffinity(0)) < 2:
@@ -487,10 +488,12 @@ def _measure_tp(exp: ExperimentConfig, models: dict[str, Any], grid: Any,
     paths.update({d.name: d.path for d in drafts_to_measure(exp)
                   if d.kind == "transformer" and d.name in models})
     try:
-        return measure_tp(exp, paths, grid, log=log)
+        part = measure_tp(exp, paths, grid, log=log)
     except Exception as e:  # noqa: BLE001 - the TP 1 tables are still useful
         log(f"tensor-parallel tables: skipped ({type(e).__name__}: {e})")
-        return {}
+        part = {}
+    add_contention(exp, part.setdefault("models", {}), paths, log, grid)  # async's two cores
+    return part
 
 
 def _log_tables(models: dict[str, Any], log: Callable[[str], None]) -> None:

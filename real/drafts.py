@@ -16,6 +16,7 @@ import torch
 from real.model import Transformer
 from real.runners import prefill
 from testbed.spec.lookahead import ONE_HOT_FEATURES, Decision, LookaheadPolicy, draft_token_features
+from testbed.spec.ngram import ngram_lookup
 from testbed.spec.sampling import SamplingParams, sample, standardize
 
 
@@ -160,15 +161,7 @@ class NgramDraft(Draft):
         self.name = f"ngram{ngram}"
 
     def lookup(self, ids: list[int], gamma: int) -> list[int]:
-        n_ids = len(ids)
-        for n in range(min(self.ngram, n_ids - 1), 0, -1):
-            suffix = ids[n_ids - n:]
-            first = suffix[0]
-            # scan backwards for the most recent match that has a continuation
-            for j in range(n_ids - n - 1, -1, -1):
-                if ids[j] == first and ids[j:j + n] == suffix:
-                    return ids[j + n:j + n + gamma]
-        return []
+        return ngram_lookup(ids, ngram=self.ngram, gamma=gamma)
 
     def propose(self, ids: list[int], gamma: int, gen: torch.Generator | None,
                 policy: LookaheadPolicy | None = None) -> tuple[list[int], torch.Tensor]:

@@ -79,9 +79,12 @@ def missing_draft_weights(pairs: list[str]) -> list[str]:
 
 
 class EnsureProfile(Callback):
-    def __init__(self, force: bool = False, backend: str | None = None) -> None:
-        self.force = force
-        self.backend = backend  # only for sweeps on this backend (`+sweep=wan`: real only)
+    """``hardware``: measure only for sweeps on this hardware (`+sweep=gpu_split` predicts
+    published nodes from the roofline and this machine from the profile); ``backend``: only for
+    sweeps on this backend (`+sweep=wan`: real only)."""
+
+    def __init__(self, force: bool = False, backend: str | None = None, hardware: str | None = None) -> None:
+        self.force, self.backend, self.hardware = force, backend, hardware
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         import sys
@@ -91,6 +94,8 @@ class EnsureProfile(Callback):
 
         from real.calibrate import calibrate, profile_path
 
+        if self.hardware is not None and config.hardware.name != self.hardware:
+            return
         missing = missing_draft_weights(swept_pairs(config))
         if missing:  # fail before minutes of calibration, not in the middle of the sweep
             print("error: " + "; ".join(missing) + " — train/copy them, or choose the pairs "

@@ -30,6 +30,11 @@ temperature class (argmax; a T=1 softmax). A run with top-k and/or top-p also pa
 token and per verified distribution, ``sampling.seconds[mode] - seconds[class mode]`` of the
 model's "sampling" node; a profile without it charges nothing extra and says so once (log).
 
+Contention (real/calibrate_contention.py): where the two groups run at once (`async`), a
+forward of one model is slower while the other core streams the other model's weights (shared
+memory bus and cache on a CPU). When the profile measured it (``contended[other model]``, factor
+against k), the forward is multiplied by that factor; ``contention_factor`` says how big it is.
+
 ``sim.profile_rescale=true`` with ``acceptance=trace``: the tables keep their shape in context
 but are scaled to the round times the trace's real runs recorded — per role, and for the target
 per k where enough rounds verified k tokens (on a shared machine the speed, and even the shape
@@ -178,6 +183,9 @@ class ProfileCost(CostModel):
         self._prefill: dict[str, Table1D | None] = {}
         self.degree = tp_degrees(exp)
         self._factor: dict[str, ShapeFactor | None] = {}
+        # async: the groups run concurrently; factor against k with the other group busy
+        self._contended: dict[str, tuple[list[float], list[float]]] = {}
+        self.concurrent = exp.schedule.name == "async"
         for role in ("target", "draft"):
             if role == "draft" and exp.schedule.name == "ar":
                 continue
@@ -241,6 +249,19 @@ class ProfileCost(CostModel):
                 self.sampling_mode, CALIBRATE_CMD)
         self.sampling_extra_s[role] = extra or 0.0
         self._factor[role] = self._bind_tp(role, m)
+        other = self.names["draft" if role == "target" else "target"]
+        c = m.get("contended", {}).get(other)
+        if self.concurrent and c:
+            self._contended[role] = ([float(k) for k in c["k"]], [float(f) for f in c["factor"]])
+
+    def contention_factor(self, role: str, tokens: int) -> float:
+        """How much slower ``role``'s forward over ``tokens`` is while the other group runs (1: not
+        measured, or the groups never run at once)."""
+        c = self._contended.get(role)
+        if c is None:
+            return 1.0
+        ks, factors = c
+        return max(1.0, interp1(min(max(float(tokens), ks[0]), ks[-1]), ks, factors))  # never faster
 
     def _bind_tp(self, role: str, m: dict[str, Any]) -> ShapeFactor | None:
         """The TP/shape ratios of this role's model at its group's degree (module docstring)."""
@@ -350,6 +371,7 @@ class ProfileCost(CostModel):
             factor = self._factor.get(role)
             if factor is not None:
                 t *= factor(shape, tokens, context)
+            t *= self.contention_factor(role, tokens)
             if role == "target":
                 t += self._pick if self._accept is None else self._accept(tokens)
         n_layers = hi = 0

@@ -41,6 +41,7 @@ import pandas as pd
 from sim.oracle import ORACLES, ChainOutcome, SequenceOracle, TokenOracle
 from testbed.config import ConfigError, ExperimentConfig
 from testbed.results import run_split
+from testbed.schedules import schedule_impl
 from testbed.spec.lookahead import FEATURES, Decision, LookaheadPolicy
 from testbed.spec.speculative import accepted_prefix
 from testbed.workloads import TRACE_SOURCE
@@ -123,6 +124,8 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
     wanted = {"sync_tree"} if exp.schedule.tree else {"sync"} if exp.schedule.name == "sync" else {"sync", "sync_tree"}
     if exp.schedule.name == "decentralized":  # DSD replays DSD: its rounds hold the adaptive rule's outcomes
         wanted = {"decentralized"}
+    elif exp.schedule.name == "async":  # an async run's own rounds, else a serial tree's
+        wanted = {"async", "sync_tree"}
     runs = [(d, s) for d, s in _runs_below(path) if s.get("schedule") in wanted
             and (d / "rounds.parquet").exists()]
     if (path / "summary.json").exists():
@@ -146,7 +149,7 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
     # a per-token policy replays the features of a static run (it drafted every position),
     # whichever policy it predicts; other policies prefer a recording of themselves
     runs = [(d, s) for d, s in runs if _static_recording(s, exp)] or runs
-    for same in (_same_gamma, _same_tree, _same_tp, _same_dsd):  # preferences, in order: narrow if any match
+    for same in (_same_schedule, _same_gamma, _same_tree, _same_tp, _same_dsd):  # preferences, in order: narrow if any match
         runs = [(d, s) for d, s in runs if same(s, exp)] or runs
     return runs
 
@@ -157,12 +160,19 @@ def _static_recording(s: dict, exp: ExperimentConfig) -> bool:
     return s.get("lookahead", "static") == wanted
 
 
+def _same_schedule(s: dict, exp: ExperimentConfig) -> bool:
+    return s.get("schedule") == schedule_impl(exp)
+
+
 def _same_gamma(s: dict, exp: ExperimentConfig) -> bool:
     return int(s.get("gamma", -1)) == exp.schedule.gamma
 
 
 def _same_tree(s: dict, exp: ExperimentConfig) -> bool:
     t = exp.schedule
+    if t.name == "async":  # d is chosen at run time unless schedule.tree_depth sets it
+        return (s.get("tree_width") == t.tree_width and s.get("tree_budget") == t.tree_budget
+                and (not t.tree_depth or s.get("tree_depth_used") == t.tree_depth))
     return not t.tree or (s.get("tree_width") == t.tree_width and s.get("tree_budget") == t.tree_budget
                           and s.get("tree_depth_used") == (t.tree_depth or t.gamma))
 
@@ -300,9 +310,9 @@ class TraceSequence(SequenceOracle):
 
 class TraceOracle(TokenOracle):
     def __init__(self, exp: ExperimentConfig, seed: int) -> None:
-        if exp.schedule.name != "sync" and exp.schedule.name != "ar":
+        if exp.schedule.name not in ("sync", "ar", "async"):
             raise ConfigError("acceptance", "trace", f"iid or synthetic with schedule={exp.schedule.name} "
-                              "(a trace replays the rounds of sync, ar or the serial tree)")
+                              "(a trace replays the rounds of sync, ar, the serial tree or async)")
         self.traces = load_trace(exp)
         self.seed = seed
 

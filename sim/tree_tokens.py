@@ -32,6 +32,7 @@ import torch
 
 from sim.context import SimContext, SimRequest
 from sim.oracle import IidOracle, SyntheticSequence
+from testbed.spec.ngram import NgramTreeSource
 from testbed.spec.tree import DraftTree, TreeBatch
 from testbed.spec.tree_drafter import DraftSource, Expansion, TreeDrafter, TreeKvStats
 from testbed.spec.tree_verify import verify_tree
@@ -109,6 +110,20 @@ class SyntheticTreeTokens(TreeTokens):
 
     def commit(self, tokens: list[int]) -> None:
         self.seq.tokens.extend(tokens)
+
+
+class NgramSyntheticTreeTokens(SyntheticTreeTokens):
+    """``pair.draft.kind=ngram`` with ``acceptance=synthetic``: the draft's distributions are
+    prompt lookup over the synthetic sequence (testbed.spec.ngram, the real backend's n-gram
+    tree draft), the target's are the synthetic LM's."""
+
+    def __init__(self, seq: SyntheticSequence, ngram: int) -> None:
+        super().__init__(seq)
+        self.ngram_source = NgramTreeSource(seq.tokens, ngram=ngram, vocab=seq.lm.vocab,
+                                            mode=self.mode, generator=seq.gen)
+
+    def draft_dists(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        return self.ngram_source.draft_dists(tree, nodes)
 
 
 class IidTreeTokens(TreeTokens):
@@ -189,7 +204,8 @@ def tree_tokens(ctx: SimContext, req: SimRequest) -> TreeTokens:
                                random.Random(1_000_003 * oracle.seed + req.request_id))
     seq = oracle.sequence(req.request_id, req.prompt_len)
     if isinstance(seq, SyntheticSequence):
-        return SyntheticTreeTokens(seq)
+        d = ctx.exp.pair.draft
+        return NgramSyntheticTreeTokens(seq, d.ngram) if d.kind == "ngram" else SyntheticTreeTokens(seq)
     raise ValueError(f"acceptance={ctx.exp.acceptance.oracle}: token trees need acceptance=iid, "
                      "synthetic or trace")
 

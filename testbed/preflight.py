@@ -306,7 +306,30 @@ def preflight(args: list[str], composed: dict[str, Any] | None = None) -> int:
         for params in _grids(cfg.hydra.sweeper):
             n += _check_grid(cfg, params, dict(sweeps), parsed, plain, parser, exps, n)
         _check_unused(user_keys, exps)
-        return n
+        return _grid_jobs(cfg, args) or n
+
+
+def _grid_jobs(cfg: Any, args: list[str]) -> int:
+    """The number of jobs of a GridsSweeper sweep (hydra_plugins/specbed_sweeper: `+sweep=validate`,
+    `+sweep=gpu_split`), 0 for Hydra's basic sweeper; only its base grid is checked above."""
+    sw = cfg.hydra.sweeper
+    if "GridsSweeper" not in str(sw.get("_target_", "")):
+        return 0
+    from hydra_plugins.specbed_sweeper.grids_sweeper import GridsSweeper
+
+    try:
+        only = OmegaConf.to_container(sw, resolve=True).get("only")
+    except OmegaConfBaseException:  # an interpolation only a running Hydra resolves: count unknown
+        return 0
+    try:
+        sweeper = GridsSweeper(params=dict(sw.get("params") or {}),
+                               grids=OmegaConf.to_container(sw.get("grids") or {}), only=only)
+    except ValueError as e:  # e.g. +sweep=gpu_split on hardware it has no grid for
+        raise PreflightError(str(e)) from None
+    parser = OverridesParser.create()
+    cli = [a for a in args if "=" in a and not a.startswith(("+sweep=", "hydra."))]
+    parsed = parser.parse_overrides([f"{k}={v}" for k, v in sweeper.params.items()] + cli)
+    return sum(len(batch) for batch in sweeper.split_arguments(parsed, None))
 
 
 def _grids(sweeper: Any) -> list[dict[str, Any]]:

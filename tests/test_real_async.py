@@ -73,11 +73,30 @@ def test_async_on_two_processes_equals_ar_at_temperature_0(tiny_pair) -> None:  
     assert live_workers() == []
 
 
-def test_async_with_the_ngram_draft_is_a_one_line_error() -> None:
+@two_cores
+def test_async_with_the_ngram_draft_equals_ar_on_two_processes(tiny_pair) -> None:  # type: ignore[no-untyped-def]
+    """The n-gram draft (no model) grows the tree in the draft group's process."""
     from real.engine import run
 
+    target, _ = tiny_pair
+    res = run(compose_exp("backend=real", "pair=smollm2_135m+ngram3", f"pair.target.path={target}",
+                          "workload.num_prompts=3", "workload.max_new_tokens=24", "real.ignore_eos=true",
+                          "real.progress=false", "schedule=async", "schedule.tree_width=2",
+                          "schedule.tree_budget=5", "schedule.tree_depth=2"))
+    spec = [r["output_ids"] for r in res.recorder.requests]
+    assert spec == [r["output_ids"] for r in res.baseline.requests]
+    assert all(len(o) == 24 for o in spec) and res.extra["processes"] == 2
+    assert res.extra["draft"] == "ngram3" and res.extra["tree_depth_used"] == 2
+    assert live_workers() == []
+
+
+def test_async_with_a_draft_without_tree_is_a_one_line_error() -> None:
+    from real.async_run import check_draft
+
+    exp = compose_exp("pair=smollm2_135m+smollm2_draft")
+    exp.pair.draft.kind = "early_exit"  # validation refuses it too; the launcher checks again
     with pytest.raises(RealSetupError, match=r"pair.draft=.*cannot grow a token tree"):
-        run(compose_exp("backend=real", "pair=smollm2_135m+ngram3", "schedule=async"))
+        check_draft(exp)
 
 
 # ------------------------------------------------------------------------------- faults
@@ -97,16 +116,23 @@ def test_a_killed_worker_ends_the_async_run_within_30_s(tiny_pair, role: str, tm
 
 
 # --------------------------------------------------------- in process: T = 1 sampling
-def _threads_run(target: Transformer, draft: Transformer, params: SamplingParams,
+def _threads_run(target: Transformer, draft: Transformer | None, params: SamplingParams,
                  requests: list[RealRequest], *, depth: int, width: int, budget: int,
-                 seed: int) -> RunRecorder:
-    """Both worker functions in this process, joined by a LoopbackTransport (one thread each)."""
+                 seed: int, ngram: int = 0) -> RunRecorder:
+    """Both worker functions in this process, joined by a LoopbackTransport (one thread each);
+    ``draft=None``: the n-gram draft (``ngram``) instead of a model."""
+    from real.async_run import ngram_source
     ends = LoopbackTransport.connect("bridge", (0, 1), recv_timeout_s=30.0)
     rec = RunRecorder(keep_spans=False)
 
-    def side(model: Transformer, me: int) -> Side:
-        return Side(model, LocalModel(model), params, Peer(ends[me], ends[me], lambda m: m),
-                    rec if me == 0 else RunRecorder(keep_spans=False), time.perf_counter, seed)
+    exp = compose_exp("pair=smollm2_135m+ngram3", f"pair.draft.ngram={max(ngram, 1)}")
+    source = ngram_source(exp, params, target.args.vocab_size) if draft is None else None
+
+    def side(model: Transformer | None, me: int) -> Side:
+        return Side(model, LocalModel(model) if model is not None else None, params,
+                    Peer(ends[me], ends[me], lambda m: m),
+                    rec if me == 0 else RunRecorder(keep_spans=False), time.perf_counter, seed,
+                    draft_source=source if me == 1 else None)
 
     errors: list[BaseException] = []
 
@@ -191,6 +217,58 @@ def test_threads_run_equals_greedy_decoding_at_temperature_0() -> None:
                 ids.append(int(target(torch.tensor([ids]), input_pos=0)[0, -1].argmax()))
                 target.truncate(0)
             assert got["output_ids"] == ids[len(req.prompt_ids):]
+
+
+@pytest.mark.parametrize("width,budget,depth", [(1, 4, 1), (3, 6, 2), (2, 8, 4)])
+def test_ngram_threads_run_equals_greedy_decoding_at_temperature_0(width, budget, depth) -> None:  # type: ignore[no-untyped-def]
+    """Several prompts with repeats (so lookups hit) and without."""
+    target = tiny(0)
+    target.setup_cache(256)
+    gen = torch.Generator().manual_seed(11)
+    motif = [5, 17, 42, 8]
+    prompts = [motif * 3 + [5, 17], torch.randint(0, TINY.vocab_size, (7,), generator=gen).tolist(),
+               [1, 2, 3, 1, 2, 3, 1, 2], motif + [9, 9, 9, 9, 9]]
+    reqs = [RealRequest(i, f"p{i}", p, 16) for i, p in enumerate(prompts)]
+    with torch.inference_mode():
+        rec = _threads_run(target, None, SamplingParams(), reqs, depth=depth, width=width,
+                           budget=budget, seed=0, ngram=3)
+        for req, got in zip(reqs, rec.requests):
+            ids = list(req.prompt_ids)
+            for _ in range(16):
+                target.truncate(0)
+                ids.append(int(target(torch.tensor([ids]), input_pos=0)[0, -1].argmax()))
+            assert got["output_ids"] == ids[len(req.prompt_ids):]
+    assert rec.frames()[0].accepted.sum() > 0  # the lookups did propose accepted tokens
+
+
+def test_ngram_async_samples_the_target_distribution_at_temperature_1() -> None:
+    """Count-based n-gram trees (several candidates per node) at T=1: two-token continuations
+    match the exact target distribution within a fixed TV tolerance."""
+    vocab = 4
+    args = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=vocab,
+                     rope_theta=10000.0, max_seq_len=64)
+    target = Transformer(args).init_random(11, std=0.8)
+    target.setup_cache()
+    params = SamplingParams(temperature=1.0)
+    prompt = [0, 1, 2, 0, 3, 0, 1, 0]  # after "0": 1 twice, 3 once -> two candidates
+    with torch.inference_mode():
+        target.truncate(0)
+        p1 = standardize(target(torch.tensor([prompt]), input_pos=0)[0, -1], params)
+        p_exact = torch.zeros(vocab, vocab)
+        for a in range(vocab):
+            p_exact[a] = p1[a] * standardize(target(torch.tensor([[a]]), input_pos=len(prompt))[0, -1], params)
+    n = 1200
+    with torch.inference_mode():
+        rec = _threads_run(target, None, params, [RealRequest(i, "p", prompt, 2) for i in range(n)],
+                           depth=2, width=2, budget=5, seed=3, ngram=2)
+    counts = torch.zeros(vocab * vocab)
+    for r in rec.requests:
+        a, b = r["output_ids"]
+        counts[a * vocab + b] += 1
+    tv = 0.5 * (counts / n - p_exact.flatten()).abs().sum()
+    assert tv < 0.08, tv  # E[TV] of 1200 exact samples over 16 outcomes is ≈ 0.045
+    rounds = rec.frames()[0]
+    assert 0 < rounds.accepted.mean() < 2
 
 
 # ------------------------------------------ the draft side's re-root and KV compaction
@@ -314,6 +392,20 @@ def test_bundled_pair_async_equals_ar_at_temperature_0() -> None:
 
     res = run(compose_exp("backend=real", "schedule=async", "workload.num_prompts=2",
                           "workload.max_new_tokens=24", "real.ignore_eos=true", "real.progress=false"))
+    spec = [r["output_ids"] for r in res.recorder.requests]
+    assert spec == [r["output_ids"] for r in res.baseline.requests]
+    assert all(len(o) == 24 for o in spec)
+    assert live_workers() == []
+
+
+@pytest.mark.model
+@two_cores
+def test_bundled_target_with_the_ngram_draft_async_equals_ar_at_temperature_0() -> None:
+    from real.engine import run
+
+    res = run(compose_exp("backend=real", "schedule=async", "pair=smollm2_135m+ngram3",
+                          "workload.num_prompts=3", "workload.max_new_tokens=24",
+                          "real.ignore_eos=true", "real.progress=false"))
     spec = [r["output_ids"] for r in res.recorder.requests]
     assert spec == [r["output_ids"] for r in res.baseline.requests]
     assert all(len(o) == 24 for o in spec)

@@ -29,7 +29,11 @@ def sweep_jobs(sweep: str) -> list[list[str]]:
 
 
 def test_gpu_split_composes_every_split_for_every_pair() -> None:
-    jobs = sweep_jobs("gpu_split")
+    from tests.test_gpu_split_measured import _grid
+
+    only, grid = _grid()  # the grid named sim_h800x8 (GridsSweeper)
+    assert only == "sim_h800x8"
+    jobs = [["+sweep=gpu_split", *job] for job in grid]
     assert len(jobs) == 27
     seen = set()
     for job in jobs:

@@ -81,3 +81,19 @@ def test_up_front_check_composes_once_per_group_choice_and_still_rejects_bad_val
         sweeper.validate_batch_is_legal([["network.latency_ms=0"], ["network.latency_ms=fast"]])
     with pytest.raises(Exception, match="no_such_key"):
         sweeper.validate_batch_is_legal([["network.latency_ms=0"], ["network.no_such_key=1"]])
+
+
+def test_validate_sweep_has_the_async_grid() -> None:
+    from tests.conftest import compose_exp
+
+    sw = OmegaConf.load(CONF / "sweep" / "validate.yaml").hydra.sweeper
+    s = GridsSweeper(params=dict(sw.params), grids=OmegaConf.to_container(sw.grids), only=["async"])
+    got = jobs(s)
+    assert len(got) == 2 * 2 * 2 * 2 * 3  # pairs x workloads x temperatures x budgets x roles
+    seen = set()
+    for job in got[::3]:
+        exp = compose_exp("+sweep=validate", *[o for o in job if not o.startswith("+validate")])
+        seen.add((exp.pair.name, exp.workload.name, exp.sampling.temperature, exp.schedule.tree_budget))
+        assert exp.schedule.name == "async" and exp.placement.target_gpus == exp.placement.draft_gpus == 1
+    assert len(seen) == 16
+    assert {p for p, *_ in seen} == {"smollm2_135m+smollm2_draft", "smollm2_135m+ngram3"}

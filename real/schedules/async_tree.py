@@ -51,7 +51,7 @@ from real.tree_tokens import DraftTreeTokens, ForwardModel, TargetTreeTokens
 from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams
 from testbed.spec.tree import TreeBatch
-from testbed.spec.tree_drafter import TreeDrafter, TreeKvStats, async_depth
+from testbed.spec.tree_drafter import DraftSource, TreeDrafter, TreeKvStats, async_depth
 
 PROBE_REPEATS = 5  # forwards timed per model for d (median, after one warm-up)
 
@@ -92,6 +92,14 @@ class Side:
     # seconds of bookkeeping per kind (select + pack, unpack, re-root/compaction)
     overhead: dict[str, float] = field(default_factory=dict)
     kv: TreeKvStats = field(default_factory=TreeKvStats)
+    # the draft's DraftSource for (committed tokens, generator); None: DraftTreeTokens over
+    # ``fwd`` (a model draft). The n-gram draft has no model: ``model`` and ``fwd`` are None.
+    draft_source: Callable[[list[int], torch.Generator], DraftSource] | None = None
+
+    def new_draft_source(self, ids: list[int], generator: torch.Generator) -> DraftSource:
+        if self.draft_source is not None:
+            return self.draft_source(ids, generator)
+        return DraftTreeTokens(self.fwd, self.params, ids, generator)
 
     def generator(self, request_id: int, salt: int) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed * 1_000_003 + request_id + salt)
@@ -150,6 +158,19 @@ def _time_forward(side: Side, n: int, context: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _time_lookup(side: Side, req: RealRequest, width: int) -> float:
+    """Median seconds of one expansion of a model-free draft (the n-gram lookups of ``width``
+    leaves) over ``req``'s prompt."""
+    source = side.new_draft_source(list(req.prompt_ids), torch.Generator().manual_seed(0))
+    tree = source.new_tree()
+    times = []
+    for _ in range(PROBE_REPEATS):
+        t = side.now()
+        source.draft_dists(tree, [0] * width)
+        times.append(side.now() - t)
+    return sorted(times)[len(times) // 2]
+
+
 def probe_target(side: Side, exp: Any, req: RealRequest) -> None:
     """Target group: time one verification forward at the middle of ``req``, tell the draft."""
     ref = len(req.prompt_ids) + req.max_new_tokens // 2
@@ -166,7 +187,8 @@ def probe_draft(side: Side, exp: Any, req: RealRequest) -> tuple[int, float, flo
     s = exp.schedule
     ref = len(req.prompt_ids) + req.max_new_tokens // 2
     side.peer.send(Message(Kind.DATA, request_id=req.request_id))  # loaded
-    t_draft = _time_forward(side, s.tree_width, ref)
+    t_draft = (_time_forward(side, s.tree_width, ref) if side.fwd is not None
+               else _time_lookup(side, req, s.tree_width))
     msg = side.peer.recv()
     one_way = side.peer.share(max(0.0, side.now() - msg.sent_s))  # the leader's reading for everyone
     t_target = float(msg.tensors[0][0]) + 2 * one_way
@@ -234,10 +256,11 @@ def draft_worker(side: Side, req: RealRequest, depth: int, *, width: int, budget
     rid, rec, now = req.request_id, side.rec, side.now
     ids = list(req.prompt_ids)
     t0 = now()
-    prefill(side.model, ids[:-1])
+    if side.model is not None:  # the n-gram draft has no cache to fill
+        prefill(side.model, ids[:-1])
     prefill_end = now()
     rec.span("draft", "prefill", t0, prefill_end, rid)
-    source = DraftTreeTokens(side.fwd, side.params, ids, side.generator(rid, DRAFT_SALT))
+    source = side.new_draft_source(ids, side.generator(rid, DRAFT_SALT))
     drafter = TreeDrafter(source, width=width, budget=budget, kv=side.kv)
     tree = drafter.tree
 

@@ -194,3 +194,7 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
                 finished["end"] - start, int(finished["rounds"]))
     ctx.extra.update(drafter.summary_fields(), tree_depth_used=depth,
                      t_target_ms=1e3 * t_target, t_draft_ms=1e3 * t_draft)
+    if hasattr(cost, "contention_factor"):  # sim.cost_profile: the groups slow each other down
+        sched = ctx.exp.schedule
+        ctx.extra.update(contention_target=cost.contention_factor("target", sched.tree_budget),
+                         contention_draft=cost.contention_factor("draft", sched.tree_width))

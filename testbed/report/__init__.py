@@ -73,6 +73,7 @@ def _load_sections(runs: list[Run]) -> None:
     import testbed.report.sections_wan  # noqa: F401  (DSD measured beside predicted)
 
     if {r.summary.get("backend") for r in runs} >= {"sim", "real"}:
+        import testbed.report.sections_split  # noqa: F401  (gpu_split: predicted vs measured)
         import testbed.report.sections_validate  # noqa: F401  (sim vs real: validation.csv, parity)
 
 

@@ -1,0 +1,96 @@
+"""Contention of async's two groups on a CPU: the profile's ``contended`` tables slow the
+simulator's async forwards (and only async's), and real/calibrate_contention.py measures them
+with two pinned workers (tiny models)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sim.cost_profile import ProfileCost
+from tests.conftest import compose_exp
+from tests.processes import live_workers
+from tests.test_cost_profile_tp import profile_with_tp
+
+FACTOR = {"k": [1, 8], "context": 256, "factor": [1.2, 1.5]}
+
+
+def contended_profile() -> dict:
+    prof = profile_with_tp()
+    prof["models"]["smollm2_135m"]["contended"] = {"smollm2_draft": FACTOR}
+    prof["models"]["smollm2_draft"]["contended"] = {"smollm2_135m": {**FACTOR, "factor": [1.1, 1.1]}}
+    return prof
+
+
+def _cost(schedule: str, profile: dict) -> ProfileCost:
+    exp = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "sim.cost_model=profile",
+                      f"schedule={schedule}", "placement.target_gpus=1", "placement.draft_gpus=1")
+    return ProfileCost(exp, profile=profile)
+
+
+def test_async_forwards_are_slowed_by_the_measured_factor_and_sync_ones_not() -> None:
+    plain, busy = _cost("async", profile_with_tp()), _cost("async", contended_profile())
+    for role, k, want in (("target", 1, 1.2), ("target", 4, 1.2 + 0.3 * 3 / 7), ("target", 16, 1.5),
+                          ("draft", 4, 1.1)):
+        assert busy.contention_factor(role, k) == pytest.approx(want)
+        got = busy._forward_unscaled(role, k, 256, None, "tree") - (busy._accept(k) if role == "target" else 0)
+        ref = plain._forward_unscaled(role, k, 256, None, "tree") - (plain._accept(k) if role == "target" else 0)
+        assert got == pytest.approx(ref * want)
+    sync = _cost("sync", contended_profile())
+    assert sync.contention_factor("target", 8) == 1.0
+
+
+def test_sim_async_reports_the_contention_it_used(tmp_path: Path) -> None:
+    import json
+
+    from sim.engine import run
+
+    path = tmp_path / "local.json"
+    path.write_text(json.dumps(contended_profile()))
+    res = run(compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "sim.cost_model=profile",
+                          f"sim.profile_path={path}", "schedule=async", "schedule.tree_budget=8",
+                          "schedule.tree_width=4", "workload.num_prompts=1", "workload.max_new_tokens=16"))
+    assert res.extra["contention_target"] == pytest.approx(1.5)
+    assert res.extra["contention_draft"] == pytest.approx(1.1)
+
+
+@pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2, reason="needs two cores")
+def test_contention_is_measured_with_two_pinned_workers(tmp_path: Path) -> None:
+    from real.calibrate_contention import ContentionGrid, measure_contention
+    from tests.tiny_checkpoint import write_tiny_checkpoint
+
+    target = write_tiny_checkpoint(tmp_path / "t", seed=1, layers=2)
+    draft = write_tiny_checkpoint(tmp_path / "d", seed=2, layers=1)
+    exp = compose_exp("backend=real", f"pair.target.path={target}", f"pair.draft.path={draft}")
+    grid = ContentionGrid(k=[1, 4], context=16, busy_k=4, repeats=2)
+    lines: list[str] = []
+    tables = measure_contention(exp, {"t": str(target), "d": str(draft)}, grid, log=lines.append)
+    assert set(tables) == {"t", "d"} and set(tables["t"]) == {"d"} and set(tables["d"]) == {"t"}
+    for by in tables.values():
+        for t in by.values():
+            assert t["k"] == [1, 4] and len(t["factor"]) == 2
+            assert all(f > 0 for f in t["factor"]) and all(s > 0 for s in t["alone_s"] + t["busy_s"])
+    assert any("while d runs on the other core" in line for line in lines)
+    assert live_workers() == []
+
+
+def test_async_prediction_replays_the_async_run_before_a_serial_tree(tmp_path: Path) -> None:
+    """acceptance=trace for async: the recorded async run of the same shape, not a sync_tree one."""
+    import json
+
+    from sim.oracle_trace import select_trace_runs
+    from tests.test_cost_profile_tp import BUDGET, WIDTH, write_tree_run
+
+    write_tree_run(tmp_path / "tree", [[0] * 39 + [0]])
+    write_tree_run(tmp_path / "async", [[0] * 39 + [0]])
+    summary = tmp_path / "async" / "summary.json"
+    s = json.loads(summary.read_text())
+    summary.write_text(json.dumps({**s, "schedule": "async", "target_gpus": 1, "draft_gpus": 1}))
+    exp = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "schedule=async",
+                      f"schedule.tree_width={WIDTH}", f"schedule.tree_budget={BUDGET}", "workload=humaneval",
+                      "workload.split=test", "acceptance=trace", f"acceptance.trace_path={tmp_path}")
+    assert [d.name for d, _ in select_trace_runs(tmp_path, exp)] == ["async"]
+    (tmp_path / "async" / "summary.json").unlink()
+    assert [d.name for d, _ in select_trace_runs(tmp_path, exp)] == ["tree"]  # the fallback
