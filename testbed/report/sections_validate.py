@@ -58,6 +58,8 @@ def validation_frame(runs: list[Run]) -> pd.DataFrame:
     if not rows:
         return pd.DataFrame()
     df = pd.DataFrame(rows)
+    # a key field an older summary lacks (e.g. lookahead) joins as "-": pivot_table drops NaN keys
+    df[list(VJOIN)] = df[list(VJOIN)].astype(object).where(df[list(VJOIN)].notna(), "-")
     if set(df["backend"]) != {"sim", "real"}:
         return pd.DataFrame()
     df["temperature"] = df["temperature"].astype(float)
