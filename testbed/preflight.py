@@ -323,7 +323,7 @@ def _grid_jobs(cfg: Any, args: list[str]) -> int:
         return 0
     try:
         sweeper = GridsSweeper(params=dict(sw.get("params") or {}),
-                               grids=OmegaConf.to_container(sw.get("grids") or {}), only=only)
+                               grids=OmegaConf.to_container(sw.grids) if sw.get("grids") else {}, only=only)
     except ValueError as e:  # e.g. +sweep=gpu_split on hardware it has no grid for
         raise PreflightError(str(e)) from None
     parser = OverridesParser.create()
