@@ -14,7 +14,21 @@ from testbed.config import ExperimentConfig
 def run(exp: ExperimentConfig) -> Any:
     from real.engine import run as execute
 
-    return execute(exp)
+    result = execute(exp)
+    if exp.workload.exec_tests and result.extra.get("writer") is not False:
+        result.extra.update(humaneval_pass_at_1(exp, result))
+    return result
+
+
+def humaneval_pass_at_1(exp: ExperimentConfig, result: Any) -> dict[str, Any]:
+    """pass@1 of the run's (and its `ar` baseline's) outputs, executed in sandboxed children
+    (testbed/humaneval_exec.py); every schedule and layout records its outputs the same way."""
+    from real.loading import load_tokenizer
+    from testbed.humaneval_exec import summary_fields
+
+    tokenizer = load_tokenizer(exp.pair.target.path)
+    return summary_fields(exp, result.recorder, result.baseline,
+                          lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def calibrate(exp: ExperimentConfig, run_dir: Path) -> Any:

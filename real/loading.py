@@ -37,6 +37,21 @@ def load(path: str | None, what: str, model_name: str, dtype: str) -> tuple[Tran
     return _MODELS[key]
 
 
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """The tokenizer of a checkpoint without its weights (decoding a run's outputs in the
+    launcher of a multi-process run); the loaded model's when this process has one."""
+    from real.tokenizer import load_bundled_tokenizer
+    from real.weights import open_gguf
+
+    resolved = None if path is None else repo_path(path)
+    for (loaded, _), (_, tokenizer) in _MODELS.items():
+        if loaded == str(resolved):
+            return tokenizer
+    if resolved is None:
+        return load_bundled_tokenizer()
+    return Tokenizer.from_dir(resolved) if resolved.is_dir() else Tokenizer.from_gguf(open_gguf(resolved))
+
+
 def check_vocab(target_tok: Tokenizer, target: Transformer, draft_tok: Tokenizer, draft: Transformer,
                 draft_name: str) -> None:
     if draft.args.vocab_size != target.args.vocab_size or draft_tok.vocab_size != target_tok.vocab_size \

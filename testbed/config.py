@@ -168,6 +168,9 @@ class WorkloadConfig:
     prompt_len: int = 256  # synthetic only
     split: str = "all"  # all | calibrate | holdout | trace | test (testbed.workloads.SPLITS)
     chat_template: bool = True
+    # humaneval + backend=real: pass@1 by executing the problems' tests on the generated code in a
+    # sandboxed subprocess (testbed/humaneval_exec.py); off by default: it runs untrusted code
+    exec_tests: bool = False
 
 
 @dataclass

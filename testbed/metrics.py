@@ -28,7 +28,7 @@ KEY_FIELDS = ("backend", "schedule", "pair", "hardware", "target_gpus", "draft_g
 # for token trees mean_accepted_len (tokens per verification) is the acceptance figure to read:
 # alpha counts a tree's rejected siblings too, so a tree's alpha says little next to a chain's
 HEADLINE = ("tokens_per_s", "tpot_ms", "speedup", "alpha", "mean_accepted_len", "tree_shape",
-            "prefill_s")
+            "prefill_s", "pass_at_1", "pass_at_1_baseline")  # pass@1: workload.exec_tests=true
 
 
 def tree_shape(summary: dict[str, Any]) -> str | None:

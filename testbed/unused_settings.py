@@ -73,6 +73,9 @@ def unused_settings(exp: ExperimentConfig) -> dict[str, str]:
         out["acceptance.alpha"] = "acceptance=iid or synthetic (trace replays recorded acceptance)"
     if exp.workload.name != "synthetic":
         out["workload.prompt_len"] = "workload=synthetic (real prompt sets have their own lengths)"
+    if not (exp.workload.name == "humaneval" and exp.backend == "real"):
+        out["workload.exec_tests"] = ("workload=humaneval with backend=real (executes the generated "
+                                      "code; the simulator generates none)")
     return out
 
 
@@ -97,6 +100,8 @@ def normalized(exp: ExperimentConfig) -> ExperimentConfig:
               "tree_depth", "gamma"):
         if unused_for(f"schedule.{f}", unused):
             setattr(e.schedule, f, getattr(sd, f))
+    if "workload.exec_tests" in unused:
+        e.workload.exec_tests = False
     if "placement.nodes" in unused:
         e.placement.nodes = 1
     if "network" in unused:

@@ -11,7 +11,8 @@ measured run's acceptance), then DSD's closed forms evaluated with what was *mea
 - eq. 5's communication reduction with the measured tokens per round.
 
 Quality of τ > 0 beside its speed: the target's NLL per generated token (τ against its `ar`
-baseline), and, paired with the τ = 0 run of the same point (same seed, coupled random
+baseline; HumanEval's pass@1 beside it when the runs executed the tests, workload.exec_tests),
+and, paired with the τ = 0 run of the same point (same seed, coupled random
 streams), the share of outputs identical to it and the mean first-divergence position
 (testbed.metrics.divergence).
 """
@@ -74,6 +75,9 @@ def wan(ctx: ReportContext) -> str:
         row["eq. 5 R_comm"] = r.get("comm_reduction_eq5")
         row["NLL/token"] = r.get("target_nll_per_token")
         row["NLL/token ar"] = r.get("baseline_nll_per_token")
+        if "pass_at_1" in real.columns:  # HumanEval with workload.exec_tests=true
+            row["pass@1"] = r.get("pass_at_1")
+            row["pass@1 ar"] = r.get("pass_at_1_baseline")
         row.update(_against_lossless(real, key, r))
         rows.append(row)
     tab = pd.DataFrame(rows).sort_values(["nodes", "latency_ms", "tau"])

@@ -29,6 +29,7 @@ HUMAN = {
     "tau": "τ", "key_token_fraction": "key-token share", "t0_ms": "t0 (ms)", "t1_ms": "t1 (ms)",
     "comm_reduction_eq5": "comm. reduction (eq. 5)", "temperature": "temperature",
     "error_pct": "error (%)", "num_requests": "requests",
+    "pass_at_1": "pass@1", "pass_at_1_baseline": "pass@1 ar",
 }
 
 
