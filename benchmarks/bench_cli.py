@@ -1,6 +1,6 @@
 """How long the user waits: the phases of `python -m testbed` and the wall time of commands.
 
-    python benchmarks/bench_cli.py [--only phases|default|help|gpu_split|wan|wan_joblib]
+    python benchmarks/bench_cli.py [--only phases|default|help|gpu_split|gpu_split_joblib|wan|wan_joblib]
                                    [--runs 1] [--out FILE.json]
 
 *phases*: one fresh process imports the app (and the simulator), runs the pre-run check of the
@@ -103,6 +103,7 @@ COMMANDS = {
     "default": [],
     "help": ["--help"],
     "gpu_split": ["+sweep=gpu_split"],
+    "gpu_split_joblib": ["+sweep=gpu_split", "hydra/launcher=joblib"],
     "wan": ["+sweep=wan"],
     "wan_joblib": ["+sweep=wan", "hydra/launcher=joblib"],
 }
@@ -124,7 +125,7 @@ def main() -> None:
     for name, cmd in COMMANDS.items():
         if name not in todo:
             continue
-        if name == "wan_joblib" and not has_joblib_launcher():
+        if name.endswith("_joblib") and not has_joblib_launcher():
             print("python -m testbed +sweep=wan hydra/launcher=joblib: skipped (no hydra-joblib-launcher)")
             continue
         wall, cpu = command_wall(cmd, args.runs)

@@ -37,7 +37,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 
 BASE = "base"
-# set by `python -m testbed` when its pre-run check covered every job of the params grid
+# set by `python -m testbed` when its pre-run check covered every job of every grid
 CHECKED_ENV = "SPECBED_SWEEP_CHECKED"
 
 
@@ -86,8 +86,9 @@ class GridsSweeper(BasicSweeper):
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         """Compose each distinct set of group choices once; check the value overrides on copies
         (what Hydra's own check does, composing every job: see the module docstring)."""
-        if os.environ.get(CHECKED_ENV) == "1" and not self.grids:
+        if os.environ.get(CHECKED_ENV) == "1":
             return  # `python -m testbed`'s pre-run check has composed and validated every job
+            # of every grid that runs (testbed/preflight.py: _grids)
         loader = self.hydra_context.config_loader if self.hydra_context is not None else None
         if not isinstance(loader, ConfigLoaderImpl) or self.config is None:
             return super().validate_batch_is_legal(batch)
