@@ -126,6 +126,8 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
         wanted = {"decentralized"}
     elif exp.schedule.name == "async":  # an async run's own rounds, else a serial tree's
         wanted = {"async", "sync_tree"}
+    elif exp.schedule.name == "ar":  # any recorded run will do (the async prediction's baseline
+        wanted = {"sync", "sync_tree", "async", "decentralized"}  # may find only async runs)
     runs = [(d, s) for d, s in _runs_below(path) if s.get("schedule") in wanted
             and (d / "rounds.parquet").exists()]
     if (path / "summary.json").exists():

@@ -113,3 +113,18 @@ def test_missing_or_empty_trace_is_a_clear_error(tmp_path: Path) -> None:
         sim_run(sim_exp(tmp_path / "empty", 4, 2, "workload=humaneval"))
     with pytest.raises(ConfigError, match="trace_path"):
         sim_run(compose_exp("acceptance=trace", "workload.num_prompts=1"))
+
+
+def test_an_ar_baseline_replays_from_a_directory_holding_only_async_runs(tmp_path: Path) -> None:
+    # `+sweep=gpu_split backend=real`: the async split's prediction runs before any sync run
+    # exists, and its `ar` baseline must still find a recorded run (ar replays nothing)
+    exp = compose_exp("backend=real", "pair=smollm2_135m+ngram3", "schedule=async", "workload.split=calibrate",
+                      f"workload.max_new_tokens={N_TOKENS}")
+    rec = RunRecorder()
+    rec.round(request_id=0, round_idx=0, start_s=0.0, end_s=0.01, drafted=4, checked=2, accepted=1,
+              emitted=2, verified_tokens=4, draft_s=0.001, target_s=0.009)
+    rec.request(0, "p0", 100, [], 2, 0.1, 0.01, 1)
+    write_run(tmp_path / "async", exp, RunResult(recorder=rec))
+    run = tmp_path / "async"
+    assert [d.name for d, _ in select_trace_runs(run, sim_exp(run, 4, 2, "schedule=ar"))] == ["async"]
+    assert select_trace_runs(run, sim_exp(run, 4)) == []  # a sync chain replays a chain
