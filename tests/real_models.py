@@ -65,3 +65,43 @@ def tiny(seed: int = 0, args: ModelArgs = TINY) -> Transformer:
     model = Transformer(args).init_random(seed, std=0.1)
     model.setup_cache()
     return model.eval()
+
+
+# ---------------------------------------------- the two-token law (temperature-1 tests)
+TWO_TOKEN_VOCAB, TWO_TOKEN_PROMPT = 4, [0, 1, 2]
+
+
+def two_token_pair(n_layers: int = 1) -> tuple[Transformer, Transformer]:
+    """A target and a draft over 4 tokens, different enough that drafts are often rejected."""
+    args = ModelArgs(dim=16, n_layers=n_layers, n_heads=2, n_kv_heads=1, ffn_dim=32,
+                     vocab_size=TWO_TOKEN_VOCAB, rope_theta=10000.0, max_seq_len=64)
+    target = Transformer(args).init_random(11, std=0.8)
+    target.setup_cache()
+    draft = Transformer(args).init_random(12, std=0.8)
+    draft.setup_cache()
+    return target, draft
+
+
+def exact_two_token_law(target: Transformer, params, prompt: list[int] | None = None,  # type: ignore[no-untyped-def]
+                        ) -> torch.Tensor:
+    """P(a, b) of the target's first two tokens after ``prompt`` (TWO_TOKEN_PROMPT), exactly."""
+    from testbed.spec.sampling import standardize
+
+    prompt, vocab = prompt or TWO_TOKEN_PROMPT, target.args.vocab_size
+    with torch.inference_mode():
+        target.truncate(0)
+        p1 = standardize(target(torch.tensor([prompt]), input_pos=0)[0, -1], params)
+        p_exact = torch.zeros(vocab, vocab)
+        for a in range(vocab):
+            p_exact[a] = p1[a] * standardize(target(torch.tensor([[a]]), input_pos=len(prompt))[0, -1], params)
+    return p_exact
+
+
+def two_token_tv(requests: list[dict], p_exact: torch.Tensor) -> float:
+    """Total-variation distance between the outputs' empirical law and ``p_exact``."""
+    vocab = p_exact.shape[0]
+    counts = torch.zeros(vocab * vocab)
+    for r in requests:
+        a, b = r["output_ids"]
+        counts[a * vocab + b] += 1
+    return float(0.5 * (counts / len(requests) - p_exact.flatten()).abs().sum())

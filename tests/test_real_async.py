@@ -20,15 +20,22 @@ from hypothesis import strategies as st
 from real.context import RealRequest
 from real.errors import RealSetupError, WorkerFailed
 from real.links import Kind, LoopbackTransport, Message
-from real.model import ModelArgs, Transformer
+from real.model import Transformer
 from real.schedules.async_tree import Peer, Side, draft_worker, target_worker, unpack_batch
 from real.tree_tokens import LocalModel
 from testbed.recorder import RunRecorder
-from testbed.spec.sampling import SamplingParams, standardize
+from testbed.spec.sampling import SamplingParams
 from tests import async_workers as aw
 from tests.conftest import compose_exp
 from tests.processes import live_workers
-from tests.real_models import TINY, tiny
+from tests.real_models import (
+    TINY,
+    TWO_TOKEN_PROMPT,
+    exact_two_token_law,
+    tiny,
+    two_token_pair,
+    two_token_tv,
+)
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
 two_cores = pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2,
@@ -161,21 +168,10 @@ def _threads_run(target: Transformer, draft: Transformer | None, params: Samplin
 def test_async_samples_the_target_distribution_at_temperature_1() -> None:
     """Two-token continuations of a fixed prompt under branching trees (w=2, bs=5, d=2): the
     empirical distribution matches the exact target distribution within a fixed TV tolerance."""
-    vocab = 4
-    args = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=vocab,
-                     rope_theta=10000.0, max_seq_len=64)
-    target = Transformer(args).init_random(11, std=0.8)
-    target.setup_cache()
-    draft = Transformer(args).init_random(12, std=0.8)
-    draft.setup_cache()
+    target, draft = two_token_pair(1)
     params = SamplingParams(temperature=1.0)
-    prompt = [0, 1, 2]
-    with torch.inference_mode():
-        target.truncate(0)
-        p1 = standardize(target(torch.tensor([prompt]), input_pos=0)[0, -1], params)
-        p_exact = torch.zeros(vocab, vocab)
-        for a in range(vocab):
-            p_exact[a] = p1[a] * standardize(target(torch.tensor([[a]]), input_pos=len(prompt))[0, -1], params)
+    prompt = TWO_TOKEN_PROMPT
+    p_exact = exact_two_token_law(target, params)
     n = 1200
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -185,11 +181,7 @@ def test_async_samples_the_target_distribution_at_temperature_1() -> None:
                                depth=2, width=2, budget=5, seed=3)
     finally:
         torch.set_num_threads(threads)
-    counts = torch.zeros(vocab * vocab)
-    for r in rec.requests:
-        a, b = r["output_ids"]
-        counts[a * vocab + b] += 1
-    tv = 0.5 * (counts / n - p_exact.flatten()).abs().sum()
+    tv = two_token_tv(rec.requests, p_exact)
     assert tv < 0.08, tv  # E[TV] of 1200 exact samples over 16 outcomes is ≈ 0.045
     rounds = rec.frames()[0]
     assert 0 < rounds.accepted.mean() < 2
@@ -244,28 +236,15 @@ def test_ngram_threads_run_equals_greedy_decoding_at_temperature_0(width, budget
 def test_ngram_async_samples_the_target_distribution_at_temperature_1() -> None:
     """Count-based n-gram trees (several candidates per node) at T=1: two-token continuations
     match the exact target distribution within a fixed TV tolerance."""
-    vocab = 4
-    args = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=vocab,
-                     rope_theta=10000.0, max_seq_len=64)
-    target = Transformer(args).init_random(11, std=0.8)
-    target.setup_cache()
+    target, _ = two_token_pair(1)
     params = SamplingParams(temperature=1.0)
     prompt = [0, 1, 2, 0, 3, 0, 1, 0]  # after "0": 1 twice, 3 once -> two candidates
-    with torch.inference_mode():
-        target.truncate(0)
-        p1 = standardize(target(torch.tensor([prompt]), input_pos=0)[0, -1], params)
-        p_exact = torch.zeros(vocab, vocab)
-        for a in range(vocab):
-            p_exact[a] = p1[a] * standardize(target(torch.tensor([[a]]), input_pos=len(prompt))[0, -1], params)
+    p_exact = exact_two_token_law(target, params, prompt)
     n = 1200
     with torch.inference_mode():
         rec = _threads_run(target, None, params, [RealRequest(i, "p", prompt, 2) for i in range(n)],
                            depth=2, width=2, budget=5, seed=3, ngram=2)
-    counts = torch.zeros(vocab * vocab)
-    for r in rec.requests:
-        a, b = r["output_ids"]
-        counts[a * vocab + b] += 1
-    tv = 0.5 * (counts / n - p_exact.flatten()).abs().sum()
+    tv = two_token_tv(rec.requests, p_exact)
     assert tv < 0.08, tv  # E[TV] of 1200 exact samples over 16 outcomes is ≈ 0.045
     rounds = rec.frames()[0]
     assert 0 < rounds.accepted.mean() < 2

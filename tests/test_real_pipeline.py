@@ -17,7 +17,7 @@ from real.context import RealRequest
 from real.drafts import ModelDraft
 from real.errors import RealSetupError, WorkerFailed
 from real.links import Kind, LoopbackTransport, Message
-from real.model import ModelArgs, Transformer
+from real.model import Transformer
 from real.pipeline import Stage, pack_dists, stage_worker, stop, unpack_dists
 from real.schedules.decentralized import (
     WindowVerifier,
@@ -33,6 +33,7 @@ from testbed.theory import expected_tokens
 from tests import pipeline_workers as pw
 from tests.conftest import compose_exp
 from tests.processes import live_workers
+from tests.real_models import TWO_TOKEN_PROMPT, exact_two_token_law, two_token_pair, two_token_tv
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
 LAYERS = 4
@@ -226,22 +227,11 @@ def test_decentralized_samples_the_target_distribution_at_temperature_1() -> Non
     """Two-token continuations of a fixed prompt through a two-stage ring with γ = 2 and a
     draft sampling its top-2 of 4 tokens (so q travels truncated): the empirical distribution
     matches the exact target distribution within a fixed TV tolerance."""
-    vocab = 4
-    args = ModelArgs(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=vocab,
-                     rope_theta=10000.0, max_seq_len=64)
-    target = Transformer(args).init_random(11, std=0.8)
-    target.setup_cache()
-    draft = Transformer(args).init_random(12, std=0.8)
-    draft.setup_cache()
+    target, draft = two_token_pair(2)
     params = SamplingParams(temperature=1.0)
     exp = compose_exp("schedule=decentralized", "schedule.gamma=2", "schedule.draft_topk=2")
-    prompt = [0, 1, 2]
-    with torch.inference_mode():
-        target.truncate(0)
-        p1 = standardize(target(torch.tensor([prompt]), input_pos=0)[0, -1], params)
-        p_exact = torch.zeros(vocab, vocab)
-        for a in range(vocab):
-            p_exact[a] = p1[a] * standardize(target(torch.tensor([[a]]), input_pos=len(prompt))[0, -1], params)
+    prompt = TWO_TOKEN_PROMPT
+    p_exact = exact_two_token_law(target, params)
     n = 1200
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -250,11 +240,7 @@ def test_decentralized_samples_the_target_distribution_at_temperature_1() -> Non
             rec = _ring_run(target, draft, exp, params, [RealRequest(i, "p", prompt, 2) for i in range(n)])
     finally:
         torch.set_num_threads(threads)
-    counts = torch.zeros(vocab * vocab)
-    for r in rec.requests:
-        a, b = r["output_ids"]
-        counts[a * vocab + b] += 1
-    tv = 0.5 * (counts / n - p_exact.flatten()).abs().sum()
+    tv = two_token_tv(rec.requests, p_exact)
     assert tv < 0.08, tv  # E[TV] of 1200 exact samples over 16 outcomes is ≈ 0.045
     rounds = rec.frames()[0]
     assert 0 < rounds.accepted.mean() < 2

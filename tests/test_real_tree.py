@@ -9,14 +9,21 @@ import torch
 
 from real.context import RealRequest
 from real.drafts import ModelDraft
-from real.model import ModelArgs, Transformer
+from real.model import Transformer
 from real.schedules.ar import serve_ar
 from real.schedules.sync_tree import serve_sync_tree
 from real.tree_tokens import DraftTreeTokens, LocalModel
-from testbed.spec.sampling import SamplingParams, standardize
+from testbed.spec.sampling import SamplingParams
 from testbed.spec.tree_drafter import TreeDrafter
 from tests.conftest import compose_exp
-from tests.real_models import TINY, tiny
+from tests.real_models import (
+    TINY,
+    TWO_TOKEN_PROMPT,
+    exact_two_token_law,
+    tiny,
+    two_token_pair,
+    two_token_tv,
+)
 from tests.test_real_engine import _ctx, _outputs
 
 
@@ -61,21 +68,10 @@ def test_serial_tree_equals_ar_at_temperature_0(width: int, budget: int, depth: 
 def test_serial_tree_samples_the_target_distribution_at_temperature_1() -> None:
     """Two-token continuations of a fixed prompt under trees that branch (w=2, bs=5): the
     empirical distribution matches the exact target distribution within a fixed TV tolerance."""
-    vocab = 4
-    args = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=vocab,
-                     rope_theta=10000.0, max_seq_len=64)
-    target = Transformer(args).init_random(11, std=0.8)
-    target.setup_cache()
-    draft_model = Transformer(args).init_random(12, std=0.8)
-    draft_model.setup_cache()
+    target, draft_model = two_token_pair(1)
     params = SamplingParams(temperature=1.0)
-    prompt = [0, 1, 2]
-    with torch.inference_mode():
-        target.truncate(0)
-        p1 = standardize(target(torch.tensor([prompt]), input_pos=0)[0, -1], params)
-        p_exact = torch.zeros(vocab, vocab)
-        for a in range(vocab):
-            p_exact[a] = p1[a] * standardize(target(torch.tensor([[a]]), input_pos=len(prompt))[0, -1], params)
+    prompt = TWO_TOKEN_PROMPT
+    p_exact = exact_two_token_law(target, params)
     exp = compose_exp("schedule.tree=true", "schedule.tree_width=2", "schedule.tree_budget=5",
                       "schedule.tree_depth=2", "seed=3")
     ctx = _ctx(exp, target, ModelDraft(draft_model, params, "q"), params)
@@ -87,11 +83,7 @@ def test_serial_tree_samples_the_target_distribution_at_temperature_1() -> None:
             serve_sync_tree(ctx, RealRequest(i, "p", prompt, 2))
     finally:
         torch.set_num_threads(threads)
-    counts = torch.zeros(vocab * vocab)
-    for r in ctx.rec.requests:
-        a, b = r["output_ids"]
-        counts[a * vocab + b] += 1
-    tv = 0.5 * (counts / n - p_exact.flatten()).abs().sum()
+    tv = two_token_tv(ctx.rec.requests, p_exact)
     assert tv < 0.05, tv  # E[TV] of 3000 exact samples over 16 outcomes is ≈ 0.03
     rounds = ctx.rec.frames()[0]
     assert 0 < rounds.accepted.mean() < 2
