@@ -29,6 +29,9 @@ class SweepReport(Callback):
     """Builds results.parquet, report.md/html + figures in the sweep directory."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from testbed.worker_pool import wait
+
+        wait()  # the joblib workers started by the pre-run check are ready before the launch
         sweeps.start(Path(config.hydra.sweep.dir), int(os.environ.get(JOBS_ENV, "0") or 0))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

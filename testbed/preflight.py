@@ -261,7 +261,7 @@ def command_pairs(args: list[str]) -> set[str]:
     return pairs_named(texts)
 
 
-def preflight(args: list[str], composed: dict[str, Any] | None = None) -> int:
+def preflight(args: list[str], composed: dict[str, Any] | None = None, warm_pool: bool = False) -> int:
     """Raise PreflightError with a one-line message if any job of this command is invalid;
     return the number of jobs. For a single run, `composed["cfg"]` receives its composed
     configuration (hydra node included), so the run need not be composed a second time."""
@@ -301,6 +301,10 @@ def preflight(args: list[str], composed: dict[str, Any] | None = None) -> int:
                 composed["cfg"] = cfg
             return 1
         check_output_dir("hydra.sweep.dir", str(cfg.hydra.sweep.dir))
+        if warm_pool:  # the joblib launcher's workers import while the jobs are checked
+            from testbed.worker_pool import warm
+
+            warm(cfg.hydra.launcher)
         exps: list[ExperimentConfig] = []
         n = 0
         for params in _grids(cfg.hydra.sweeper):
@@ -397,7 +401,7 @@ def normalize_args(args: list[str]) -> list[str]:
 
 def main_guard(args: list[str], composed: dict[str, Any] | None = None) -> int:
     try:
-        return preflight(args, composed)
+        return preflight(args, composed, warm_pool=True)
     except PreflightError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

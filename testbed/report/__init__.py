@@ -133,8 +133,10 @@ def _render(ctx: ReportContext, workers: int) -> list[str]:
         return [fn(ctx) for fn in fns]
     from joblib import Parallel, delayed
 
-    # loky: the joblib launcher's worker processes are reused when the sweep used them
-    return Parallel(n_jobs=min(workers, len(fns)), backend="loky")(
+    from testbed.worker_pool import parallel_kwargs
+
+    # the joblib launcher's warm workers when the sweep used them (testbed.worker_pool)
+    return Parallel(**parallel_kwargs(min(workers, len(fns))))(
         delayed(_render_section)(fn, ctx) for fn in fns)
 
 
