@@ -143,7 +143,8 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
         # `+sweep=wan`: a WAN prediction is about time, so it replays the measured grid point's
         # own rounds (the preferences below pick that run)
         runs = [(d, s) for d, s in runs if run_split(d, s) == own]
-    elif own != "all":  # never replay the predicted prompts' own acceptance
+    elif own != "all" and exp.schedule.name != "ar":  # never replay the predicted prompts' own
+        # acceptance (`ar` accepts nothing: a WAN prediction's baseline may use its own run)
         runs = [(d, s) for d, s in runs if run_split(d, s) not in (own, "all")]
     if exp.backend == "sim":
         real = [(d, s) for d, s in runs if s.get("backend") == "real"]
@@ -312,9 +313,10 @@ class TraceSequence(SequenceOracle):
 
 class TraceOracle(TokenOracle):
     def __init__(self, exp: ExperimentConfig, seed: int) -> None:
-        if exp.schedule.name not in ("sync", "ar", "async"):
+        if exp.schedule.name not in ("sync", "ar", "async", "decentralized"):
             raise ConfigError("acceptance", "trace", f"iid or synthetic with schedule={exp.schedule.name} "
-                              "(a trace replays the rounds of sync, ar, the serial tree or async)")
+                              "(a trace replays the rounds of sync, ar, the serial tree, async or "
+                              "decentralized)")
         self.traces = load_trace(exp)
         self.seed = seed
 
