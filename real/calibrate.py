@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from real.calibrate_fit import isotonic, smooth_table
+from real.calibrate_links import measure_messages
 from testbed.config import ExperimentConfig, ModelConfig
 from testbed.paths import CONF_DIR, repo_path
 from testbed.paths import profile_path as testbed_profile_path
@@ -99,46 +101,6 @@ class Probes:
 
     def value(self, key: tuple) -> float:
         return statistics.median(self.samples[key])
-
-
-def isotonic(values: list[float]) -> list[float]:
-    """Least-squares non-decreasing fit (pool adjacent violators): a forward over more tokens is
-    never cheaper, so a decrease is noise; unlike a running maximum, one outlier is averaged
-    with its neighbours instead of raising everything after it."""
-    blocks: list[list[float]] = []  # [mean, weight]
-    for v in values:
-        blocks.append([v, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m1, w1), (m2, w2) = blocks[-2], blocks[-1]
-            blocks[-2:] = [[(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2]]
-    out: list[float] = []
-    for m, w in blocks:
-        out += [m] * int(w)
-    return out
-
-
-def theil_sen(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Robust line y = a + b·x: median of pairwise slopes, median intercept."""
-    if len(xs) < 2:
-        return (ys[0] if ys else 0.0), 0.0
-    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
-              if xs[j] != xs[i]]
-    b = statistics.median(slopes)
-    a = statistics.median([y - b * x for x, y in zip(xs, ys)])
-    return a, b
-
-
-def smooth_table(raw: list[list[float]], context: list[int]) -> list[list[float]]:
-    """raw[context][k] -> per k a robust line in context (attention is linear in the cache
-    length), non-negative, then non-decreasing in k per context."""
-    cols = list(zip(*raw))
-    fitted_cols = []
-    for col in cols:
-        a, b = theil_sen([float(c) for c in context], list(col))
-        b = max(b, 0.0)
-        fitted_cols.append([max(a + b * c, 1e-7) for c in context])
-    rows = [list(r) for r in zip(*fitted_cols)]
-    return [isotonic(r) for r in rows]
 
 
 # ----------------------------------------------------------------------------- machine facts
@@ -321,72 +283,6 @@ def add_draft_probes(pr: Probes, cfg: ModelConfig, vocab: int, grid: Grid, promp
             out["prefill"] = {"prompt_len": grid.prompt_len, "seconds": isotonic(pf), "raw": pf}
         return out
     return build
-
-
-# ---------------------------------------------------------------------------------- messages
-def _pingpong(rank: int, port: int, sizes: list[int], repeats: int, out: Any) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        results = {}
-        for size in sizes:
-            buf = torch.zeros(max(1, size // 4), dtype=torch.float32)
-            times = []
-            for i in range(repeats + 2):
-                dist.barrier()
-                t = time.perf_counter()
-                if rank == 0:
-                    dist.send(buf, 1)
-                    dist.recv(buf, 1)
-                else:
-                    dist.recv(buf, 0)
-                    dist.send(buf, 0)
-                if i >= 2:
-                    times.append((time.perf_counter() - t) / 2)  # one way
-            results[size] = statistics.median(times)
-        if rank == 0:
-            out.put(results)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def measure_messages(sizes: list[int], repeats: int, timeout_s: float = 120.0) -> dict[str, Any]:
-    """One-way message time between two processes over gloo/loopback and its α–β fit."""
-    import numpy as np
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_pingpong, args=(r, port, sizes, repeats, q), daemon=True) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        res = q.get(timeout=timeout_s)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-    xs = np.array(sorted(res), dtype=float)
-    ys = np.array([res[s] for s in sorted(res)])
-    # relative weights: the small messages (latency-bound) matter as much as the large ones
-    beta, alpha = np.polyfit(xs, ys, 1, w=1.0 / ys) if len(xs) > 1 else (0.0, float(ys[0]))
-    return {"transport": "torch.distributed gloo, 127.0.0.1", "bytes": [int(x) for x in xs],
-            "seconds": [float(y) for y in ys], "alpha_s": float(max(alpha, 0.0)),
-            "beta_s_per_byte": float(max(beta, 0.0)),
-            "bandwidth_gbps": float(1e-9 / beta) if beta > 0 else None}
 
 
 # --------------------------------------------------------------------------------------- run

@@ -192,7 +192,7 @@ def tp_worker(ctx: Any, models: dict[str, str | None], grid_d: dict[str, Any]) -
 
 def tp_tables(raw: dict[tuple, float], grid: TpGrid) -> dict[str, Any]:
     """{shape: {"k", "context", "seconds" (smoothed), "raw"}} of one model at one degree."""
-    from real.calibrate import smooth_table
+    from real.calibrate_fit import smooth_table
 
     out = {}
     for shape in SHAPES:

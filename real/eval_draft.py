@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from real.train_draft import generate_batch
+from real.draft_data import generate_batch
 from testbed.paths import ROOT, repo_path
 from testbed.spec.sampling import SamplingParams, standardize
 from testbed.spec.speculative import acceptance_ratios, accepted_prefix, expected_acceptance

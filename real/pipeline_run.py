@@ -39,7 +39,6 @@ from real.pipeline import (
 from real.schedules.decentralized import (
     WindowVerifier,
     alpha_from_tokens,
-    draft_params,
     dsd_first_stage,
     make_verifier,
     sends_dists,
@@ -47,6 +46,7 @@ from real.schedules.decentralized import (
 from testbed.config import ExperimentConfig
 from testbed.metrics import divergence
 from testbed.recorder import RunRecorder, RunResult
+from testbed.spec.dsd import draft_params
 from testbed.spec.sampling import SamplingParams
 
 

@@ -170,8 +170,13 @@ class ProfileCost(CostModel):
         self.path = path or profile_path(exp)
         self.profile = profile if profile is not None else load_profile(self.path)
         self.temp = temperature_class(exp.sampling.temperature)
-        self.sampling_mode = sampling_mode(SamplingParams(
-            exp.sampling.temperature, top_k=exp.sampling.top_k, top_p=exp.sampling.top_p))
+        params = SamplingParams(exp.sampling.temperature, top_k=exp.sampling.top_k, top_p=exp.sampling.top_p)
+        self.sampling_mode = sampling_mode(params)
+        self.modes = {"target": self.sampling_mode, "draft": self.sampling_mode}
+        if exp.schedule.name == "decentralized":  # DSD's draft samples from its top-k (testbed.spec.dsd)
+            from testbed.spec.dsd import draft_params
+
+            self.modes["draft"] = sampling_mode(draft_params(params, exp.schedule.draft_topk))
         self.sampling_extra_s: dict[str, float] = {}  # per distribution, by role
         self.gamma = max(1, exp.schedule.gamma)
         self.names = {"target": exp.pair.target.name, "draft": exp.pair.draft.name}
@@ -239,14 +244,15 @@ class ProfileCost(CostModel):
             self._accept = Table1D(self._by_temp(m["accept"]), "k")
         pf = m.get("prefill")
         self._prefill[role] = Table1D(pf, "prompt_len") if pf else None
-        extra = None if m.get("kind") == "ngram" else sampling_extra(m, self.sampling_mode)
-        if extra is None and m.get("kind") != "ngram" and self.sampling_mode.startswith("top"):
+        mode = self.modes[role]
+        extra = None if m.get("kind") == "ngram" else sampling_extra(m, mode)
+        if extra is None and m.get("kind") != "ngram" and mode.startswith("top"):
             import logging
 
             logging.getLogger(__name__).warning(
                 "profile %s has no sampling costs for %s: %s charged as plain temperature "
                 "sampling; measure it again with `%s`", self.path, self.names[role],
-                self.sampling_mode, CALIBRATE_CMD)
+                mode, CALIBRATE_CMD)
         self.sampling_extra_s[role] = extra or 0.0
         self._factor[role] = self._bind_tp(role, m)
         other = self.names["draft" if role == "target" else "target"]

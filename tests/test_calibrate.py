@@ -46,7 +46,7 @@ def test_quick_calibration_feeds_the_profile_cost_model(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_gloo_message_benchmark_fits_alpha_beta() -> None:
-    from real.calibrate import measure_messages
+    from real.calibrate_links import measure_messages
 
     res = measure_messages([4, 65536, 4194304], repeats=20)
     assert res["alpha_s"] >= 0 and res["beta_s_per_byte"] > 0

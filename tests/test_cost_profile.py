@@ -126,7 +126,7 @@ def test_calibrate_flag_needs_backend_real() -> None:
 
 
 def test_calibration_smoothing_survives_one_outlier() -> None:
-    from real.calibrate import isotonic, smooth_table, theil_sen
+    from real.calibrate_fit import isotonic, smooth_table, theil_sen
 
     a, b = theil_sen([64, 128, 256, 512, 1024], [1.064, 1.128, 9.0, 1.512, 2.024])
     assert a == pytest.approx(1.0, abs=1e-9) and b == pytest.approx(1e-3, abs=1e-9)

@@ -12,7 +12,7 @@ from sim.engine import run as sim_run
 from sim.oracle_trace import RequestTrace, TraceSequence, select_trace_runs
 from testbed.config import ConfigError
 from testbed.recorder import RunRecorder, RunResult
-from testbed.results import write_run
+from testbed.results import build_summary, write_run
 from tests.conftest import compose_exp
 
 N_TOKENS = 60
@@ -128,3 +128,33 @@ def test_an_ar_baseline_replays_from_a_directory_holding_only_async_runs(tmp_pat
     run = tmp_path / "async"
     assert [d.name for d, _ in select_trace_runs(run, sim_exp(run, 4, 2, "schedule=ar"))] == ["async"]
     assert select_trace_runs(run, sim_exp(run, 4)) == []  # a sync chain replays a chain
+
+
+def test_a_wan_prediction_replays_its_own_dsd_run_and_its_ar_baseline_too(tmp_path: Path) -> None:
+    # `+sweep=wan backend=real`: the predict role replays the rounds the measure role recorded on
+    # the same (`test`) prompts — DSD's adaptive rule decided them — and so does its `ar` baseline
+    gamma = 4
+    exp = compose_exp("backend=real", "pair=smollm2_135m+smollm2_draft", "schedule=decentralized",
+                      "placement.nodes=2", f"schedule.gamma={gamma}", "workload=humaneval",
+                      "workload.split=test", f"workload.max_new_tokens={N_TOKENS}")
+    rec = RunRecorder()
+    rounds = recorded_rounds(7, gamma)
+    t = 0.0
+    for i, (d, n, e) in enumerate(rounds):
+        rec.round(request_id=0, round_idx=i, start_s=t, end_s=t + 0.01, drafted=d, checked=n + (n < d),
+                  accepted=n, emitted=e, verified_tokens=d + 1, draft_s=0.001, target_s=0.009)
+        t += 0.01
+    rec.request(0, "p0", 100, [], N_TOKENS, 0.1, t, len(rounds))
+    write_run(tmp_path / "dsd", exp, RunResult(recorder=rec))
+    pred = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "schedule=decentralized",
+                       "placement.nodes=2", f"schedule.gamma={gamma}", "workload=humaneval",
+                       "workload.split=test", "workload.num_prompts=1", f"workload.max_new_tokens={N_TOKENS}",
+                       "acceptance=trace", f"acceptance.trace_path={tmp_path}")
+    assert [d.name for d, _ in select_trace_runs(tmp_path, pred)] == ["dsd"]
+    baseline = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "schedule=ar",
+                           "workload=humaneval", "workload.split=test", "acceptance=trace",
+                           f"acceptance.trace_path={tmp_path}")
+    assert [d.name for d, _ in select_trace_runs(tmp_path, baseline)] == ["dsd"]
+    summary = build_summary(pred, sim_run(pred))
+    recorded = sum(n for _, n, _ in rounds) / len(rounds)
+    assert summary["mean_accepted_len"] == pytest.approx(recorded + 1)  # the recorded rounds, replayed

@@ -22,12 +22,12 @@ from real.pipeline import Stage, pack_dists, stage_worker, stop, unpack_dists
 from real.schedules.decentralized import (
     WindowVerifier,
     alpha_from_tokens,
-    draft_params,
     dsd_first_stage,
 )
 from testbed.links import draft_dists_bytes, dsd_window_bytes
 from testbed.metrics import divergence
 from testbed.recorder import RunRecorder
+from testbed.spec.dsd import draft_params
 from testbed.spec.sampling import SamplingParams, standardize
 from testbed.theory import expected_tokens
 from tests import pipeline_workers as pw

@@ -89,3 +89,15 @@ def test_a_top_p_run_is_predicted_slower_by_the_calibrated_amount(tmp_path: Path
     decode = [sum(r["decode_s"] for r in runs[n].requests) for n in ("plain", "top_p")]
     assert decode[1] - decode[0] == pytest.approx(want, rel=1e-6)
     assert want > 0
+
+
+def test_a_dsd_draft_is_charged_the_top_k_sampling_it_runs() -> None:
+    # DSD's draft samples from its top-k at temperature > 0 (testbed.spec.dsd.draft_params) so
+    # its q travels exactly; the target keeps the run's plain temperature sampling
+    prof = profile_with_sampling()
+    dsd = ("schedule=decentralized", "placement.nodes=2", "sampling.temperature=0.7")
+    topk = ProfileCost(compose_exp(*PAIR, *dsd), profile=prof)
+    full = ProfileCost(compose_exp(*PAIR, *dsd, "schedule.draft_topk=0"), profile=prof)
+    assert topk.sampling_extra_s["draft"] == pytest.approx(DRAFT_S["top_k"] - DRAFT_S["temperature"])
+    assert full.sampling_extra_s["draft"] == 0.0
+    assert topk.sampling_extra_s["target"] == full.sampling_extra_s["target"] == 0.0

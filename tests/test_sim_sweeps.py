@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,27 @@ def test_gpu_split_sweep_end_to_end(tmp_path: Path) -> None:
     for pair in PAIRS:
         row = next(line for line in table.splitlines() if line.startswith(f"| {pair} "))
         assert row.count("|") == 12 and "—" not in row  # pair, hardware, t1..t7, sync, sync_tree
+
+
+def test_decentralized_report_with_measured_and_predicted_runs_of_each_point(tmp_path: Path) -> None:
+    # `+sweep=wan backend=real`: every (nodes, latency, τ) point has a real and a simulated run;
+    # the effect of τ is taken per backend (it failed on the duplicated points before)
+    common = ("schedule=decentralized", "schedule.adaptive=true", "hardware=a800_nodes",
+              "sim.cost_model=analytic", "acceptance=synthetic", "sampling.temperature=1.0",
+              "network.jitter_ms=0", "placement.nodes=2", "workload.num_prompts=1",
+              "workload.max_new_tokens=32")
+    for lat in (0, 20):
+        for tau in (0.0, 0.3):
+            for backend in ("real", "sim"):
+                d = tmp_path / f"{backend}{lat}t{tau}"
+                _write(tmp_path, d.name, *common, f"network.latency_ms={lat}", f"schedule.tau={tau}")
+                summary = json.loads((d / "summary.json").read_text())
+                summary["backend"] = backend  # the measured half, with what a real run adds
+                if backend == "real":
+                    summary.update(alpha_measured=summary["alpha"], c_measured=0.1, t_window_ms=30.0,
+                                   target_nll_per_token=1.0, baseline_nll_per_token=1.0)
+                (d / "summary.json").write_text(json.dumps(summary))
+    md = build_report([tmp_path], tmp_path).read_text()
+    section = md.split("## Decentralized speculative decoding (DSD)")[1].split("\n## ")[0]
+    rows = [ln for ln in section.split("Effect of τ")[1].splitlines() if ln.startswith("| real") or ln.startswith("| sim")]
+    assert len(rows) == 2 and all(float(r.split("|")[3]) > 0 for r in rows)

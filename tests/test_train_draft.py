@@ -88,8 +88,8 @@ def _tiny_cfg(tmp: Path, work: str, stop_after: int | None = None):
 def _fake_teacher_shards(cfg) -> None:
     """Random teacher data under the shard names of the tiny config's jobs, so the test needs
     no target forward (the data phase finds every shard and skips the teacher)."""
+    from real.draft_data import data_jobs, shard_name
     from real.tokenizer import load_bundled_tokenizer
-    from real.train_draft import data_jobs, shard_name
 
     gen, k = torch.Generator().manual_seed(0), cfg.data.topk
     data_dir = Path(cfg.data_dir)

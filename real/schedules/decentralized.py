@@ -63,15 +63,6 @@ def stream(seed: int, request_id: int, salt: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + request_id + salt)
 
 
-def draft_params(params: SamplingParams, topk: int) -> SamplingParams:
-    """The draft's sampling: the run's, cut to its top ``topk`` at temperature > 0 (so its
-    distributions travel as top-k exactly; module docstring)."""
-    if params.greedy or topk <= 0:
-        return params
-    k = min(params.top_k, topk) if params.top_k > 0 else topk
-    return SamplingParams(params.temperature, k, params.top_p)
-
-
 def sends_dists(params: SamplingParams, draft: Draft | None) -> bool:
     """Whether q must travel: only a sampled draft's q cannot be rebuilt from its tokens."""
     from real.drafts import NgramDraft

@@ -163,12 +163,15 @@ def decentralized(ctx: ReportContext) -> str:
         savefig(fig, ctx.figure_path("decentralized.png"))
         parts.append("![decentralized](decentralized.png)")
         if len(taus) > 1:
-            base = d[d["tau"] == taus[0]].set_index(["nodes", "latency_ms"])["speedup"]
+            # per backend: `+sweep=wan backend=real` holds measured and predicted runs of each point
+            keys = (["backend"] if "backend" in d.columns and d["backend"].nunique() > 1 else []) + ["nodes"]
+            point = [*keys, "latency_ms"]
+            base = d[d["tau"] == taus[0]].groupby(point)["speedup"].mean()
             eff = d[d["tau"] != taus[0]].copy()
-            eff["gain"] = [r["speedup"] / base.get((r["nodes"], r["latency_ms"]), math.nan)
+            eff["gain"] = [float(r["speedup"]) / float(base.get(tuple(r[k] for k in point), math.nan))
                            for _, r in eff.iterrows()]
-            tab = eff.pivot_table(index="nodes", columns="tau", values="gain").reset_index()
-            tab.columns = ["nodes"] + [f"τ={t:g}" for t in tab.columns[1:]]
+            tab = eff.pivot_table(index=keys, columns="tau", values="gain").reset_index()
+            tab.columns = keys + [f"τ={t:g}" for t in tab.columns[len(keys):]]
             parts.append(f"Effect of τ: speedup relative to τ={taus[0]:g}, mean over latencies "
                          "(τ > 0 trades exactness for longer accepted spans):\n\n"
                          + markdown_table(tab, "{:.3f}"))

@@ -26,10 +26,21 @@ from dataclasses import dataclass
 
 import torch
 
+from testbed.spec.sampling import SamplingParams
 from testbed.spec.speculative import SpecStep, speculative_step
 
 _TINY = 1e-30
 _MIN_TARGET_ENTROPY = 1e-6
+
+
+def draft_params(params: SamplingParams, topk: int) -> SamplingParams:
+    """The DSD draft's sampling: the run's, cut to its top ``topk`` at temperature > 0, so its
+    distributions travel as top-k exactly (real/schedules/decentralized.py) and the simulator
+    charges the same sampling mode (sim/cost_profile.py)."""
+    if params.greedy or topk <= 0:
+        return params
+    k = min(params.top_k, topk) if params.top_k > 0 else topk
+    return SamplingParams(params.temperature, k, params.top_p)
 
 
 def key_tokens(
