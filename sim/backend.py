@@ -23,4 +23,18 @@ def replay_seconds(exp: ExperimentConfig, run_dir: Path) -> dict[int, float]:
     return ProfileCost(exp).decode_seconds(run_dir)
 
 
-BACKEND = register(Backend(name="sim", run=run, replay_seconds=replay_seconds))
+def preload() -> None:
+    """Everything a simulated run imports on first use: the engine, the synthetic oracle and
+    every schedule (most import torch: 2 s that a sweep worker would pay inside its first job)."""
+    import importlib
+    import pkgutil
+
+    import sim.engine  # noqa: F401
+    import sim.oracle_synthetic  # noqa: F401
+    import sim.schedules
+
+    for m in pkgutil.iter_modules(sim.schedules.__path__):
+        importlib.import_module(f"sim.schedules.{m.name}")
+
+
+BACKEND = register(Backend(name="sim", run=run, replay_seconds=replay_seconds, preload=preload))

@@ -12,7 +12,9 @@ Hooks (None where a backend has no such capability):
   when it cannot be loaded here);
 - ``replay_seconds(exp, run_dir) -> {request_id: decode seconds}``: the cost model's time for a
   recorded run's own rounds (sim's profile cost model; the validation report's timing-only
-  error).
+  error);
+- ``preload()``: import what its runs import on first use (a joblib sweep worker warms up while
+  the pre-run check runs: testbed.worker_pool).
 
 A hook that only one backend provides is found with ``hook(name)``.
 """
@@ -36,6 +38,7 @@ class Backend:
     user_errors: tuple[type[Exception], ...] = ()
     tokenizer: Callable[[], Any] | None = None
     replay_seconds: Callable[[Any, Path], dict[int, float]] | None = None
+    preload: Callable[[], None] | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}

@@ -304,7 +304,7 @@ def preflight(args: list[str], composed: dict[str, Any] | None = None, warm_pool
         if warm_pool:  # the joblib launcher's workers import while the jobs are checked
             from testbed.worker_pool import warm
 
-            warm(cfg.hydra.launcher)
+            warm(cfg.hydra.launcher, str(cfg.backend))
         exps: list[ExperimentConfig] = []
         n = 0
         for params in _grids(cfg.hydra.sweeper):

@@ -36,33 +36,29 @@ def joblib_parallel_kwargs(launcher_cfg: Any) -> dict[str, Any] | None:
     return kwargs
 
 
-def _warm_worker() -> int:
-    """Runs in a worker: the imports of a simulated job and of the report's figures."""
+def _warm_worker(backend: str) -> int:
+    """Runs in a worker: the imports of a job of ``backend`` and of the report's figures."""
     import os
 
     import matplotlib
 
     matplotlib.use("Agg")
-    import importlib
-    import pkgutil
-
     import matplotlib.pyplot  # noqa: F401
     import seaborn  # noqa: F401
 
-    import sim.engine  # noqa: F401  (every simulated job)
-    import sim.oracle_synthetic  # noqa: F401
-    import sim.schedules
     import testbed.app  # noqa: F401
     import testbed.report  # noqa: F401
+    from testbed import backends
 
-    # the schedules are imported on first use; most import torch (2 s: a worker's first job)
-    for m in pkgutil.iter_modules(sim.schedules.__path__):
-        importlib.import_module(f"sim.schedules.{m.name}")
+    preload = backends.get(backend).preload
+    if preload is not None:
+        preload()
     return os.getpid()
 
 
-def warm(launcher_cfg: Any) -> bool:
-    """Start the joblib launcher's workers in the background (no-op for other launchers)."""
+def warm(launcher_cfg: Any, backend: str = "sim") -> bool:
+    """Start the joblib launcher's workers in the background, each importing what a ``backend``
+    job needs (no-op for other launchers)."""
     global _kwargs, _thread
     kwargs = joblib_parallel_kwargs(launcher_cfg)
     if kwargs is None or _thread is not None:
@@ -75,7 +71,7 @@ def warm(launcher_cfg: Any) -> bool:
     def run() -> None:
         # warming is an optimisation: if it fails, the launcher starts its workers itself
         with contextlib.suppress(Exception):
-            Parallel(**quiet)(delayed(_warm_worker)() for _ in range(n))
+            Parallel(**quiet)(delayed(_warm_worker)(backend) for _ in range(n))
 
     _kwargs = kwargs
     _thread = threading.Thread(target=run, name="warm-joblib-workers", daemon=True)

@@ -18,6 +18,12 @@ def _pid() -> int:
     return os.getpid()
 
 
+def _preloaded() -> bool:
+    import sys
+
+    return all(m in sys.modules for m in ("sim.engine", "sim.schedules.async_tree", "torch", "seaborn"))
+
+
 def test_other_launchers_are_not_warmed() -> None:
     basic = {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"}
     assert worker_pool.joblib_parallel_kwargs(basic) is None
@@ -40,6 +46,8 @@ def test_launcher_reuses_the_warm_workers(monkeypatch: pytest.MonkeyPatch) -> No
     cfg["backend"] = "loky"
     process_joblib_cfg(cfg)
     job_pids = set(Parallel(**cfg)(delayed(_pid)() for _ in range(8)))
+    # the workers imported what a simulated job and the report need (sim's preload hook)
+    assert all(Parallel(**cfg)(delayed(_preloaded)() for _ in range(4)))
     assert os.getpid() not in warm_pids
     assert job_pids <= warm_pids  # a different executor would have started new processes
     from joblib.externals.loky import get_reusable_executor
