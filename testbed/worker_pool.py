@@ -25,8 +25,11 @@ def joblib_parallel_kwargs(launcher_cfg: Any) -> dict[str, Any] | None:
     """``Parallel`` arguments exactly as hydra_joblib_launcher builds them (None: another launcher)."""
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.to_container(launcher_cfg, resolve=True) if not isinstance(launcher_cfg, dict) else dict(launcher_cfg)
-    if cfg.get("_target_") != JOBLIB_LAUNCHER:
+    if launcher_cfg is None or launcher_cfg.get("_target_") != JOBLIB_LAUNCHER:
+        return None  # (other launchers' settings may hold interpolations only Hydra resolves)
+    try:
+        cfg = dict(launcher_cfg) if isinstance(launcher_cfg, dict) else OmegaConf.to_container(launcher_cfg, resolve=True)
+    except Exception:  # noqa: BLE001 — an unresolvable setting: the launcher reports it itself
         return None
     from hydra_plugins.hydra_joblib_launcher._core import process_joblib_cfg
 
