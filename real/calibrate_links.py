@@ -15,6 +15,27 @@ TEMPERATURES = {"greedy": 0.0, "sample": 1.0}
 
 
 
+def round_trip_s(rank: int, size: int, repeats: int) -> float:
+    """Median seconds of a ``size``-byte message from rank 0 to rank 1 and back (two warm-ups),
+    in an initialised 2-rank gloo group; both ranks call it."""
+    import torch.distributed as dist
+
+    buf = torch.zeros(max(1, size // 4), dtype=torch.float32)
+    times = []
+    for i in range(repeats + 2):
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def _pingpong(rank: int, port: int, sizes: list[int], repeats: int, out: Any) -> None:
     import torch.distributed as dist
 
@@ -22,22 +43,7 @@ def _pingpong(rank: int, port: int, sizes: list[int], repeats: int, out: Any) ->
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        results = {}
-        for size in sizes:
-            buf = torch.zeros(max(1, size // 4), dtype=torch.float32)
-            times = []
-            for i in range(repeats + 2):
-                dist.barrier()
-                t = time.perf_counter()
-                if rank == 0:
-                    dist.send(buf, 1)
-                    dist.recv(buf, 1)
-                else:
-                    dist.recv(buf, 0)
-                    dist.send(buf, 0)
-                if i >= 2:
-                    times.append((time.perf_counter() - t) / 2)  # one way
-            results[size] = statistics.median(times)
+        results = {size: round_trip_s(rank, size, repeats) / 2 for size in sizes}  # one way
         if rank == 0:
             out.put(results)
     finally:

@@ -128,23 +128,9 @@ def _allreduce_latency(backend: Any, floats: list[int], repeats: int) -> dict[st
 
 
 def _round_trips(rank: int, sizes: list[int], repeats: int) -> dict[str, list]:
-    out = []
-    for size in sizes:
-        buf = torch.zeros(max(1, size // 4))
-        times = []
-        for i in range(repeats + 2):
-            dist.barrier()
-            t = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            if i >= 2:
-                times.append(time.perf_counter() - t)
-        out.append(statistics.median(times))
-    return {"bytes": list(sizes), "seconds": out}
+    from real.calibrate_links import round_trip_s
+
+    return {"bytes": list(sizes), "seconds": [round_trip_s(rank, size, repeats) for size in sizes]}
 
 
 def tp_worker(ctx: Any, models: dict[str, str | None], grid_d: dict[str, Any]) -> dict[str, Any] | None:
