@@ -43,5 +43,11 @@ def tokenizer() -> Any:
     return load_bundled_tokenizer()
 
 
+def probe_forward(exp: ExperimentConfig) -> dict[str, float]:
+    from real.probe_forward import forward_probe
+
+    return forward_probe(exp)
+
+
 BACKEND = register(Backend(name="real", run=run, calibrate=calibrate, user_errors=USER_ERRORS,
-                           tokenizer=tokenizer))
+                           tokenizer=tokenizer, probe_forward=probe_forward))

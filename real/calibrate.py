@@ -295,6 +295,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
               out_path: Path | None = None, tp: bool = True, tp_grid: Any = None) -> Path:
     """Measure and write the profile; returns its path. ``tp``: also the multi-process tables
     (real/calibrate_tp.py, ``tp_grid`` a ``TpGrid``; skipped on a machine with one core)."""
+    from real.probe_forward import probe_functions, time_functions
     from real.weights import load_model
     from testbed.machine import probe_record
     from testbed.results import write_json
@@ -325,10 +326,17 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
                 except Exception as e:  # noqa: BLE001 - one unusable draft must not lose the rest
                     log(f"draft {d.name}: skipped ({type(e).__name__}: {e})")
             log(f"{len(pr.fns)} probes x {grid.repeats} interleaved passes; models: {', '.join(builders)}")
+            # the probe a prediction repeats to correct for drift (sim.profile_drift=forward),
+            # around the tables it stands for
+            fwd = probe_functions(exp, target, tokenizer, [d for d in drafts_to_measure(exp) if d.name in builders])
+            fwd_before = time_functions(fwd)
             pr.run(grid.repeats, log=log)
+            fwd_after = time_functions(fwd)
             models = {name: build() for name, build in builders.items()}
             from real.calibrate_sampling import add_sampling_tables  # per mode: top-k/top-p extra
             add_sampling_tables(exp, target, prompt, models, drafts_to_measure(exp), log=log)
+            from real.calibrate_tree import add_tree_tables  # a tree expansion beyond its forward
+            add_tree_tables(models, drafts_to_measure(exp), dtypes[exp.real.dtype], log=log)
             _log_tables(models, log)
             threads = torch.get_num_threads()
     finally:
@@ -355,7 +363,9 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
         "dtype": exp.real.dtype, "device": exp.real.device, "statistic": "median",
         "repeats": grid.repeats, "load_average": {"before": load_before, "after": load_average()},
         "probe": {"gbps": round((probe_before["gbps"] + probe_after["gbps"]) / 2, 3),
-                  "before": probe_before, "after": probe_after},
+                  "before": probe_before, "after": probe_after,
+                  "forward_s": {m: round((fwd_before[m] + fwd_after[m]) / 2, 7) for m in fwd_before},
+                  "forward_before_s": fwd_before, "forward_after_s": fwd_after},
         "calibration_s": round(time.perf_counter() - started, 1),
         "models": models, "links": links,
         **{k: tp_part[k] for k in ("allreduce", "tp_allreduce", "tp_calibration_s") if k in tp_part},

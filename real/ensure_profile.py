@@ -40,9 +40,14 @@ def profile_is_current(path: Path, exp: ExperimentConfig) -> tuple[bool, str]:
         return False, f"profile threads {prof.get('threads')} != real.threads={exp.real.threads}"
     if not prof.get("probe", {}).get("gbps"):
         return False, "profile has no bandwidth probe (the predictions' sim.profile_drift=probe needs it)"
-    missing = [m.name for m in [exp.pair.target, *drafts_to_measure(exp)] if m.name not in prof.get("models", {})]
+    models = [exp.pair.target, *drafts_to_measure(exp)]
+    missing = [m.name for m in models if m.name not in prof.get("models", {})]
     if missing:
         return False, f"profile lacks {', '.join(missing)}"
+    forward = prof.get("probe", {}).get("forward_s") or {}
+    unprobed = [m.name for m in models if m.kind != "ngram" and m.name not in forward]
+    if unprobed:  # the predictions' sim.profile_drift=forward
+        return False, f"profile has no forward probe of {', '.join(unprobed)}"
     return True, "current"
 
 

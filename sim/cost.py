@@ -48,6 +48,12 @@ class CostModel(ABC):
         apart charge the chain-shaped forward."""
         return self.forward(role, tokens, context)
 
+    def tree_expand_extra(self, leaves: int) -> float:
+        """Seconds a draft tree expansion of ``leaves`` leaves spends beyond its forward
+        (distributions over the vocabulary, picking children, growing the tree). Models that
+        did not measure it charge nothing."""
+        return 0.0
+
     def breakdown(self, role: Role, tokens: int, context: int,
                   layers: tuple[int, int] | None = None) -> ForwardCost:
         return ForwardCost(total_s=self.forward(role, tokens, context, layers))

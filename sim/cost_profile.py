@@ -186,6 +186,7 @@ class ProfileCost(CostModel):
         self._pick = 0.0
         self.ar = exp.schedule.name == "ar"
         self._prefill: dict[str, Table1D | None] = {}
+        self._tree_expand: Table1D | None = None  # a draft tree expansion beyond its forward
         self.degree = tp_degrees(exp)
         self._factor: dict[str, ShapeFactor | None] = {}
         # async: the groups run concurrently; factor against k with the other group busy
@@ -203,10 +204,32 @@ class ProfileCost(CostModel):
             runs = select_trace_runs(Path(exp.acceptance.trace_path).expanduser(), exp)
             self.fit_scale([d for d, s in runs if s.get("hardware") == exp.hardware.name
                             and s.get("backend") == "real"])
-        self.drift = 1.0  # sim.profile_drift=probe: the machine now against the profile's
+        # sim.profile_drift: the machine now against the profile's, per role
+        self.drift_by_role = {"target": 1.0, "draft": 1.0}
         if exp.sim.profile_drift == "probe":
-            self.drift = self._probe_drift()
-            self.scale = {role: v * self.drift for role, v in self.scale.items()}
+            self.drift_by_role = dict.fromkeys(self.scale, self._probe_drift())
+        elif exp.sim.profile_drift == "forward":
+            self.drift_by_role = self._forward_drift(exp)
+        self.drift = self.drift_by_role["target"]
+        self.scale = {role: v * self.drift_by_role[role] for role, v in self.scale.items()}
+
+    def _forward_drift(self, exp: ExperimentConfig) -> dict[str, float]:
+        from testbed.backends import hook
+        from testbed.machine import forward_drift_factors
+
+        recorded = self.profile.get("probe", {}).get("forward_s") or {}
+        probed = [self.names["target"]] + ([] if self.ar or self.kinds["draft"] == "ngram" else [self.names["draft"]])
+        missing = [n for n in probed if n not in recorded]
+        if missing:
+            raise ConfigError("sim.profile_drift", "forward",
+                              f"none or probe: the profile {self.path} has no forward probe of "
+                              f"{', '.join(missing)} (measured before this version, or without that model); "
+                              f"re-measure it with `{CALIBRATE_CMD}`")
+        probe = hook("probe_forward")
+        if probe is None:
+            raise ConfigError("sim.profile_drift", "forward", "none: the forward probe needs the real backend")
+        roles = {"target": self.names["target"], "draft": self.names["draft"]}
+        return forward_drift_factors(recorded, probe(exp), roles)
 
     def _probe_drift(self) -> float:
         from testbed.machine import drift_factor, probe_now
@@ -244,6 +267,8 @@ class ProfileCost(CostModel):
             self._accept = Table1D(self._by_temp(m["accept"]), "k")
         pf = m.get("prefill")
         self._prefill[role] = Table1D(pf, "prompt_len") if pf else None
+        if role == "draft" and m.get("tree_expand"):  # real/calibrate_tree.py
+            self._tree_expand = Table1D(self._by_temp(m["tree_expand"]), "leaves")
         mode = self.modes[role]
         extra = None if m.get("kind") == "ngram" else sampling_extra(m, mode)
         if extra is None and m.get("kind") != "ngram" and mode.startswith("top"):
@@ -366,6 +391,11 @@ class ProfileCost(CostModel):
 
     def tree_forward(self, role: Role, tokens: int, context: int) -> float:
         return self.forward(role, tokens, context, shape="tree")
+
+    def tree_expand_extra(self, leaves: int) -> float:
+        # on every rank of a TP group alike (each selects over the whole vocabulary): no TP factor
+        table = self._tree_expand
+        return 0.0 if table is None else table(leaves) * self.scale["draft"]
 
     def _forward_unscaled(self, role: Role, tokens: int, context: int,
                           layers: tuple[int, int] | None, shape: str = "chain") -> float:

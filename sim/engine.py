@@ -72,8 +72,11 @@ def simulate(exp: ExperimentConfig, requests: list[SimRequest], seed: int,
 
     env.process(serve_all())
     env.run()
-    if exp.sim.profile_drift == "probe":  # how much slower the machine is now than profiled
+    if exp.sim.profile_drift != "none":  # how much slower the machine is now than profiled
         ctx.extra["profile_drift_factor"] = round(getattr(ctx.cost, "drift", 1.0), 4)
+        by_role = getattr(ctx.cost, "drift_by_role", {})
+        if "draft" in by_role and exp.schedule.name != "ar":
+            ctx.extra["profile_drift_factor_draft"] = round(by_role["draft"], 4)
     if extra is not None:
         extra.update(ctx.extra)
     return rec

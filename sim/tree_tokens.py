@@ -227,7 +227,8 @@ class TimedTreeDrafter:
         return self.core.tree
 
     def _seconds(self, step: Expansion) -> float:
-        return self.ctx.cost.tree_forward("draft", step.n_inputs, step.context_len)
+        cost = self.ctx.cost
+        return cost.tree_forward("draft", step.n_inputs, step.context_len) + cost.tree_expand_extra(len(step.leaves))
 
     def expand(self) -> float | None:
         """Expand the w most probable leaves; returns the forward's seconds (None: nothing

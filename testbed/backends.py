@@ -13,6 +13,8 @@ Hooks (None where a backend has no such capability):
 - ``replay_seconds(exp, run_dir) -> {request_id: decode seconds}``: the cost model's time for a
   recorded run's own rounds (sim's profile cost model; the validation report's timing-only
   error);
+- ``probe_forward(exp) -> {model name: seconds}``: the pair's probe forward timed now
+  (real/probe_forward.py; sim.profile_drift=forward corrects the profile by it);
 - ``preload()``: import what its runs import on first use (a joblib sweep worker warms up while
   the pre-run check runs: testbed.worker_pool).
 
@@ -39,6 +41,7 @@ class Backend:
     tokenizer: Callable[[], Any] | None = None
     replay_seconds: Callable[[Any, Path], dict[int, float]] | None = None
     preload: Callable[[], None] | None = None
+    probe_forward: Callable[[Any], dict[str, float]] | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}

@@ -20,7 +20,7 @@ from testbed.spec.lookahead import POLICIES as LOOKAHEADS
 
 ORACLES = ("iid", "synthetic", "trace")
 COST_MODELS = ("analytic", "roofline", "profile")
-PROFILE_DRIFTS = ("none", "probe")
+PROFILE_DRIFTS = ("none", "probe", "forward")
 WORKLOADS = ("synthetic", "humaneval", "mtbench", "alpaca")
 MODEL_KINDS = ("transformer", "ngram", "early_exit")
 MLPS = ("swiglu", "gelu")  # gelu: GPTBigCode/StarCoder, 2 matrices instead of 3
@@ -154,9 +154,10 @@ class SimConfig:
     t_target_ms: float = 25.0  # analytic: one target forward (all stages together)
     profile_path: str | None = None  # profile: latency tables written by +calibrate
     profile_rescale: bool = False  # profile + acceptance=trace: scale to the trace runs' round times
-    # profile: `probe` scales the profile's times by its bandwidth probe / the probe run now
-    # (testbed/machine.py): the machine's drift, without a run of the configuration
-    profile_drift: str = "none"  # none | probe
+    # profile: the machine's drift, without a run of the configuration: `forward` scales each
+    # model's times by its probe forward now / in the profile (real/probe_forward.py), `probe`
+    # all times by the profile's bandwidth probe / the probe now (testbed/machine.py)
+    profile_drift: str = "none"  # none | forward | probe
     prediction_resamples: int = 0  # acceptance=trace: > 0 adds 95% prediction intervals (bootstrap)
 
 
@@ -445,6 +446,9 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     if sm.profile_drift != "none" and sm.profile_rescale:
         raise ConfigError("sim.profile_drift", sm.profile_drift, "none with sim.profile_rescale=true (both "
                           "set the profile's level: the rescale from the trace runs, the drift from a probe)")
+    if sm.profile_drift != "none" and sm.cost_model != "profile":
+        raise ConfigError("sim.profile_drift", sm.profile_drift, "none unless sim.cost_model=profile (it "
+                          "corrects a measured profile for the machine's drift)")
 
     w = exp.workload
     _choice("workload", w.name, WORKLOADS)

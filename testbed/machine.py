@@ -40,6 +40,24 @@ def probe_record() -> dict[str, float]:
     return {"gbps": round(bandwidth_probe_gbps(), 3), "at": round(time.time(), 1)}
 
 
+def forward_drift_factors(profile_forward_s: dict[str, float], now_s: dict[str, float],
+                          roles: dict[str, str]) -> dict[str, float]:
+    """``sim.profile_drift=forward`` (real/probe_forward.py): a multiplier per role (``roles``:
+    role -> model name) for the profile's times to hold now — the model's probe forward now
+    over the same probe in the profile. A role whose model has no forward (the n-gram draft)
+    takes the target's: a slower machine slows its Python too."""
+    out: dict[str, float] = {}
+    for role, name in roles.items():
+        if name in now_s and name in profile_forward_s:
+            if profile_forward_s[name] <= 0 or now_s[name] <= 0:
+                raise ValueError(f"forward probe readings must be positive, got "
+                                 f"{profile_forward_s[name]} and {now_s[name]} for {name}")
+            out[role] = now_s[name] / profile_forward_s[name]
+    if "target" not in out:
+        raise KeyError(f"no forward probe of the target {roles.get('target')!r}")
+    return {role: out.get(role, out["target"]) for role in roles}
+
+
 def drift_factor(profile_gbps: float, now_gbps: float) -> float:
     """Multiplier for times measured at ``profile_gbps`` to hold at ``now_gbps`` (slower
     machine now -> larger times)."""

@@ -193,6 +193,84 @@ def test_probe_drift_scales_every_time_by_the_bandwidth_ratio(tmp_path, monkeypa
         validate(compose_exp(*base, "sim.profile_drift=probe", "sim.profile_rescale=true"))
 
 
+def test_forward_drift_scales_each_model_by_its_own_probe(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """sim.profile_drift=forward: each model's times scale by its probe forward now over the
+    same probe in the profile (target 1.5x slower, draft unchanged); an n-gram draft takes the
+    target's factor; a profile without the probe is refused naming the setting and the fix."""
+    import dataclasses
+
+    import testbed.backends as backends
+
+    prof = make_profile()
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    now = {"smollm2_135m": 0.030, "smollm2_exit10": 0.004}
+    real = backends.get("real")
+    monkeypatch.setitem(backends._REGISTRY, "real", dataclasses.replace(real, probe_forward=lambda exp: now))
+    base = ("hardware=local", "sim.cost_model=profile", f"sim.profile_path={path}")
+    exit10 = (*base, "pair=smollm2_135m+smollm2_exit10")
+    with pytest.raises(ConfigError, match="sim.profile_drift.*no forward probe of smollm2_135m.*calibrate"):
+        ProfileCost(compose_exp(*exit10, "sim.profile_drift=forward"))
+    path.write_text(json.dumps({**prof, "probe": {"forward_s": {"smollm2_135m": 0.020, "smollm2_exit10": 0.004}}}))
+    plain = ProfileCost(compose_exp(*exit10))
+    drifted = ProfileCost(compose_exp(*exit10, "sim.profile_drift=forward"))
+    assert drifted.drift_by_role == pytest.approx({"target": 1.5, "draft": 1.0})
+    assert drifted.forward("target", 5, 200) == pytest.approx(1.5 * plain.forward("target", 5, 200))
+    assert drifted.forward("draft", 1, 200) == pytest.approx(plain.forward("draft", 1, 200))
+    ngram = (*base, "pair=smollm2_135m+ngram3")
+    drifted = ProfileCost(compose_exp(*ngram, "sim.profile_drift=forward"))
+    assert drifted.drift_by_role == pytest.approx({"target": 1.5, "draft": 1.5})
+    with pytest.raises(ConfigError, match="sim.profile_drift.*cost_model=profile"):
+        validate(compose_exp("sim.profile_drift=forward", "sim.cost_model=roofline"))
+
+
+def test_the_forward_probe_times_each_function_interleaved() -> None:
+    """real/probe_forward.time_functions: the median per function, every function called in
+    each pass (a burst of load hits all alike)."""
+    import time
+
+    from real.probe_forward import time_functions
+
+    calls: list[str] = []
+
+    def fn(name: str, seconds: float):  # type: ignore[no-untyped-def]
+        def call() -> None:
+            calls.append(name)
+            time.sleep(seconds)
+        return call
+
+    out = time_functions({"slow": fn("slow", 0.004), "fast": fn("fast", 0.0)}, repeats=5, warmup=1)
+    assert calls == ["slow", "fast"] * 6
+    assert out["slow"] >= 0.004 > out["fast"]
+
+
+def test_a_tree_expansion_is_charged_its_measured_overhead_beyond_the_forward(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """real/calibrate_tree.py's "tree_expand" table: the serial tree's draft phase grows by the
+    table's seconds once per expansion (interpolated by leaves), and not at all without it."""
+    from sim.engine import run
+
+    prof = make_profile()
+    prof["models"]["smollm2_draft"] = {"kind": "transformer", "role": "draft", "layers": 3,
+                                       "forward": {"greedy": {"k": K, "context": CTX, "seconds": [r[:4] for r in TARGET]}}}
+    plain_path, tree_path = tmp_path / "plain.json", tmp_path / "tree.json"
+    plain_path.write_text(json.dumps(prof))
+    prof["models"]["smollm2_draft"]["tree_expand"] = {"greedy": {"leaves": [1, 16], "seconds": [0.001, 0.001]}}
+    tree_path.write_text(json.dumps(prof))
+    base = ("pair=smollm2_135m+smollm2_draft", "hardware=local", "sim.cost_model=profile", "schedule=sync",
+            "schedule.tree=true", "schedule.tree_width=4", "schedule.tree_budget=8", "schedule.gamma=3",
+            "acceptance=synthetic", "workload.num_prompts=2", "workload.max_new_tokens=24")
+    plain = run(compose_exp(*base, f"sim.profile_path={plain_path}")).recorder.frames()[0]
+    tree = run(compose_exp(*base, f"sim.profile_path={tree_path}")).recorder.frames()[0]
+    assert list(plain["accepted"]) == list(tree["accepted"])  # timing does not change the tokens
+    expansions = (tree["draft_s"] - plain["draft_s"]) / 0.001
+    assert (expansions.round() - expansions).abs().max() < 1e-6  # whole expansions
+    assert expansions.min() >= 3  # d = γ expansions per round at least (then filled to bs)
+    prof["models"]["smollm2_draft"]["tree_expand"]["greedy"]["seconds"] = [0.001, 0.016]
+    tree_path.write_text(json.dumps(prof))
+    cost = ProfileCost(compose_exp(*base, f"sim.profile_path={tree_path}"))
+    assert cost.tree_expand_extra(4) == pytest.approx(0.004)  # interpolated by leaves
+
+
 def test_bandwidth_probe_reads_a_plausible_speed() -> None:
     from testbed.machine import bandwidth_probe_gbps, drift_factor
 

@@ -330,7 +330,8 @@ def validation(ctx: ReportContext) -> str:
         drift = both["drift_factor"].dropna()
         lines.append(f"\nStandalone against rescaled prediction, tokens/s over {len(both)} runs "
                      f"(`validation_rescaled.csv`): standalone (the profile"
-                     + (f", drift-corrected by a bandwidth probe: factor {drift.min():.2f}–{drift.max():.2f}"
+                     + (f", drift-corrected by a probe (`sim.profile_drift`): target factor "
+                        f"{drift.min():.2f}–{drift.max():.2f}"
                         if len(drift) else "") +
                      f") median |error| {a.median():.1f} %, worst {a.max():.1f} %; rescaled to the "
                      f"round times of a real run of the same configuration (`sim.profile_rescale=true`) "

@@ -266,27 +266,29 @@ class DraftTree:
             self.slots[node] = self.n_slots
             self.n_slots += 1
             w_parent, prio_parent, depth = self.weights[node], self.priorities[node], self.depths[node] + 1
-            kids = self.children[node]
-            for i in range(c):
-                p = child_p[j][i]
-                if p <= 0.0:  # support exhausted (ranks and draws are sorted by probability)
-                    break
-                value = math.log(p)
-                prior = value if self.mode == "topk" else math.log(rank_p[j][i])
-                cid = len(self.tokens)
-                self.tokens.append(child_tok[j][i])
-                self.parents.append(node)
-                self.depths.append(depth)
-                self.values.append(value)
-                self.weights.append(w_parent + value)
-                self.priors.append(prior)
-                self.priorities.append(prio_parent + prior)
-                self.dists.append(None)
-                self.slots.append(-1)
-                self.children.append([])
-                self.draw_index.append(i)
-                kids.append(cid)
-                new.append(cid)
+            ps = child_p[j]
+            # support exhausted at the first zero (ranks and draws are sorted by probability)
+            m = next((i for i, p in enumerate(ps) if p <= 0.0), c)
+            if m == 0:
+                continue
+            # whole children at once (list.extend): the simulator's async draft grows ~10^3
+            # nodes per round and re-simulates runs for prediction intervals
+            values = [math.log(p) for p in ps[:m]]
+            priors = values if self.mode == "topk" else [math.log(p) for p in rank_p[j][:m]]
+            ids = range(len(self.tokens), len(self.tokens) + m)
+            self.tokens.extend(child_tok[j][:m])
+            self.parents.extend([node] * m)
+            self.depths.extend([depth] * m)
+            self.values.extend(values)
+            self.weights.extend([w_parent + v for v in values])
+            self.priors.extend(priors)
+            self.priorities.extend([prio_parent + p for p in priors])
+            self.dists.extend([None] * m)
+            self.slots.extend([-1] * m)
+            self.children.extend([] for _ in range(m))
+            self.draw_index.extend(range(m))
+            self.children[node].extend(ids)
+            new.extend(ids)
         expanded = set(node_ids)
         self._frontier = [e for e in self._frontier if e[1] not in expanded]
         self._frontier.extend((-self.priorities[n], n) for n in new)

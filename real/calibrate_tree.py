@@ -1,0 +1,120 @@
+"""Tree-expansion overhead beyond the draft's forward, for the latency profile (real/calibrate.py).
+
+An expansion of a token tree (testbed.spec.tree_drafter.TreeDrafter over real/tree_tokens.py's
+DraftTreeTokens) does more than the draft's forward: it builds the expansion mask and positions,
+turns the logits at its n leaves into distributions over the whole vocabulary (a softmax at
+temperature 1 to rank at temperature 0, ``standardize`` otherwise), picks each leaf's w children
+(top-k over the vocabulary, or sampling) and grows the DraftTree. On this CPU with a 49k
+vocabulary that is ~1.4 ms per expansion of 8 leaves next to a 4.7 ms forward — a quarter of
+the serial tree's draft phase, which the simulator did not charge (it predicted the draft
+phase 34 % short).
+
+Here whole expansions of the draft model are timed and the time of its forward subtracted, so
+what remains is the overhead, by the number of leaves expanded. Stored per transformer draft (it depends on the vocabulary and the
+temperature class, not on the model's layers) as
+
+    "tree_expand": {cls: {"leaves": [...], "seconds": [...], "raw": [...]}}
+
+and charged by the simulator per expansion (sim/tree_tokens.TimedTreeDrafter).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from real.calibrate_fit import isotonic
+from testbed.spec.sampling import SamplingParams
+
+LEAVES = (1, 2, 4, 8, 16)
+PASSES = 15
+
+
+class TimedForward:
+    """A ForwardModel (real/tree_tokens.py) that passes calls on and accumulates the time spent
+    in its forward, so that it can be subtracted from the expansion's."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.spent = model, 0.0
+
+    def logits(self, tokens: Sequence[int], *, input_pos: torch.Tensor, mask: torch.Tensor,
+               position_ids: torch.Tensor) -> torch.Tensor:
+        t = time.perf_counter()
+        out = self.model.logits(tokens, input_pos=input_pos, mask=mask, position_ids=position_ids)
+        self.spent += time.perf_counter() - t
+        return out
+
+    def move_kv(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        self.model.move_kv(src, dst)
+
+
+def time_expansions(model: Any, vocab: int, params: SamplingParams, *, leaves: Sequence[int] = LEAVES,
+                    passes: int = PASSES, history_len: int = 64) -> dict[str, Any]:
+    """Median seconds of one expansion of n leaves beyond the forward of ``model`` (a
+    ForwardModel, e.g. real/tree_tokens.LocalModel of the draft), for each n of ``leaves``: a
+    tree of width n is grown from its root until an expansion of n leaves (the one timed)."""
+    gen = torch.Generator().manual_seed(0)
+    history = torch.randint(vocab, (history_len,), generator=gen).tolist()
+    timed = TimedForward(model)
+    raw: dict[int, list[float]] = {n: [] for n in leaves}
+    gc.collect()  # a collection pause inside a timed expansion of a millisecond would dominate it
+    gc.disable()
+    try:
+        _grow(timed, params, history, gen, leaves, passes, raw)
+    finally:
+        gc.enable()
+    med = [statistics.median(raw[n]) for n in leaves]
+    return {"leaves": list(leaves), "seconds": isotonic(med), "raw": med}
+
+
+def _grow(timed: TimedForward, params: SamplingParams, history: list[int], gen: torch.Generator,
+          leaves: Sequence[int], passes: int, raw: dict[int, list[float]]) -> None:
+    from real.tree_tokens import DraftTreeTokens
+    from testbed.spec.tree_drafter import TreeDrafter
+
+    with torch.inference_mode():
+        for _ in range(passes):
+            for n in leaves:
+                drafter = TreeDrafter(DraftTreeTokens(timed, params, list(history), gen), width=n, budget=4 * n)
+                for _ in range(4):  # 1 leaf, then n: the tree has n leaves to expand from the 2nd on
+                    timed.spent = 0.0
+                    t = time.perf_counter()
+                    step = drafter.expand()
+                    took = time.perf_counter() - t - timed.spent
+                    if step is not None and len(step.leaves) == n:
+                        raw[n].append(took)
+                        break
+
+
+def add_tree_tables(models: dict[str, Any], drafts: list[Any], dtype: torch.dtype, log: Any = print) -> None:
+    """Add "tree_expand" to the entry in ``models`` of every draft of ``drafts`` (ModelConfig)
+    that can draw a tree (a transformer with its own weights), timed around its own forward."""
+    from real.calibrate import TEMPERATURES
+    from real.tree_tokens import LocalModel
+    from real.weights import load_model
+    from testbed.paths import repo_path
+
+    for d in drafts:
+        name = d.name
+        if d.kind != "transformer" or not d.path or name not in models:
+            continue
+        try:
+            model, _ = load_model(repo_path(d.path), dtype=dtype, max_seq=64)
+        except Exception as e:  # noqa: BLE001 - the other tables are still useful
+            log(f"{name} tree expansion: skipped ({type(e).__name__}: {e})")
+            continue
+        need = LEAVES[-1] * 5 + 64 + 2  # history + the tree's slots
+        if model.max_seq < need:
+            model.setup_cache(need)
+        local, vocab = LocalModel(model), model.args.vocab_size
+        tables = {cls: time_expansions(local, vocab, SamplingParams(temperature=temp))
+                  for cls, temp in TEMPERATURES.items()}
+        models[name]["tree_expand"] = tables
+        cells = "; ".join(f"{cls}: " + " ".join(f"{n}={1e3 * s:.2f}" for n, s in zip(t["leaves"], t["seconds"]))
+                          for cls, t in tables.items())
+        log(f"{name} tree expansion beyond the forward, by leaves (ms): {cells}")

@@ -1,0 +1,105 @@
+"""The models' own speed, now: a short probe that does not depend on the configuration.
+
+On a shared CPU host the level of every forward drifts by ±20 % between runs an hour apart,
+and a memory-bandwidth probe does not follow it (two calibrations 90 minutes apart: the
+target's forward 20 % faster, the copy bandwidth 2 % slower). What does follow it is the
+forward itself. This probe times one fixed forward per transformer model of the pair — one
+token, greedy, at slot ``PROBE_CONTEXT`` — the same way in the calibration (stored in the
+profile as ``probe.forward_s``) and just before a prediction (``sim.profile_drift=forward``):
+the ratio is the machine's drift, per model. It never runs the configuration being predicted
+(its schedule, γ, tree, placement or prompts), only the models' forward at one shape.
+
+The n-gram draft has no forward (its proposals are microseconds of Python); it takes the
+target's factor. Models stay loaded in the process (a sweep's predictions probe again and
+again), and a reading is reused for ``REUSE_S`` seconds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from testbed.config import ExperimentConfig, ModelConfig
+
+PROBE_CONTEXT = 64  # slot of the probed token: the smallest context of the profile's tables
+WARMUP = 3
+REPEATS = 15  # interleaved over the models: ~0.6 s for the bundled pair on one core
+REUSE_S = 30.0
+
+ProbeFns = dict[str, Callable[[], Any]]
+
+
+def probe_functions(exp: ExperimentConfig, target: Any, tokenizer: Any,
+                    drafts: list[ModelConfig]) -> ProbeFns:
+    """One zero-argument forward per model, by model name: the target's (``exp.pair.target``)
+    and each of ``drafts`` that has a forward (its own model or an early exit)."""
+    from real.calibrate import _make_draft
+    from real.runners import TargetRunner
+    from testbed.spec.sampling import SamplingParams
+
+    if target.max_seq < PROBE_CONTEXT + 2:
+        target.setup_cache(PROBE_CONTEXT + 2)
+    runner = TargetRunner(target, SamplingParams())
+    fns: ProbeFns = {exp.pair.target.name: lambda: runner.probs([1], PROBE_CONTEXT)}
+    for d in drafts:
+        if d.kind == "ngram" or not d.name:
+            continue
+        draft = _make_draft(exp, d, target, tokenizer, SamplingParams())
+        model = getattr(draft, "model", None)
+        if model is not None and model.max_seq < PROBE_CONTEXT + 2:
+            model.setup_cache(PROBE_CONTEXT + 2)
+        fns[d.name] = lambda draft=draft: draft.forward_probs([1], PROBE_CONTEXT)
+    return fns
+
+
+def time_functions(fns: ProbeFns, *, repeats: int = REPEATS, warmup: int = WARMUP) -> dict[str, float]:
+    """Median seconds per call of each function, the calls interleaved (a burst of load hits
+    every model alike)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    with torch.inference_mode():
+        for i in range(warmup + repeats):
+            for name, fn in fns.items():
+                t = time.perf_counter()
+                fn()
+                if i >= warmup:
+                    times[name].append(time.perf_counter() - t)
+    return {name: round(statistics.median(ts), 7) for name, ts in times.items()}
+
+
+_models: dict[tuple, ProbeFns] = {}
+_readings: dict[tuple, tuple[float, dict[str, float]]] = {}
+
+
+def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
+    """Median seconds of the probe forward per transformer model of ``exp``'s pair, measured
+    now with ``real.threads`` intra-op threads (the profile's setting) — or reused from a
+    reading less than ``REUSE_S`` seconds old."""
+    from real.weights import load_model
+    from testbed.paths import repo_path
+
+    t, d = exp.pair.target, exp.pair.draft
+    key = (t.name, str(t.path), d.name, d.kind, str(d.path), exp.schedule.name == "ar",
+           exp.real.dtype, exp.real.threads)
+    if key in _readings and time.monotonic() - _readings[key][0] < REUSE_S:
+        return _readings[key][1]
+    old_threads = torch.get_num_threads()
+    if exp.real.threads:
+        torch.set_num_threads(exp.real.threads)
+    try:
+        if key not in _models:
+            dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+            target, tokenizer = load_model(None if t.path is None else repo_path(t.path),
+                                           dtype=dtypes[exp.real.dtype], max_seq=PROBE_CONTEXT + 2)
+            _models.clear()  # one pair's models at a time
+            drafts = [] if exp.schedule.name == "ar" else [d]
+            _models[key] = probe_functions(exp, target, tokenizer, drafts)
+        reading = time_functions(_models[key])
+    finally:
+        torch.set_num_threads(old_threads)
+    _readings[key] = (time.monotonic(), reading)
+    return reading
+

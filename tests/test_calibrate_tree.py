@@ -1,0 +1,38 @@
+"""real/calibrate_tree.py: a tree expansion's time beyond the draft's forward."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from real.calibrate_tree import time_expansions
+from testbed.spec.sampling import SamplingParams
+
+
+class SlowForward:
+    """A ForwardModel whose forward sleeps 20 ms and returns random logits over 512 tokens."""
+
+    calls = 0
+
+    def logits(self, tokens, *, input_pos, mask, position_ids):  # type: ignore[no-untyped-def]
+        assert mask.shape[0] == len(tokens) and len(position_ids) == len(tokens)
+        self.calls += 1
+        time.sleep(0.02)
+        return torch.randn(len(tokens), 512)
+
+    def move_kv(self, src, dst) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+def test_the_forward_is_subtracted_and_every_leaf_count_is_timed() -> None:
+    model = SlowForward()
+    for temp in (0.0, 1.0):
+        out = time_expansions(model, 512, SamplingParams(temperature=temp), leaves=(1, 2, 4), passes=5)
+        assert out["leaves"] == [1, 2, 4]
+        # each expansion slept 20 ms in its forward; what is left is the selection (over 512
+        # tokens: well under that, even on a loaded machine)
+        assert all(0.0 < s < 0.015 for s in out["seconds"]), out
+        assert out["seconds"] == sorted(out["seconds"])  # isotonic in the number of leaves
+    # n = 1: the root's expansion; n > 1: the root's, then the one timed
+    assert model.calls == 2 * 5 * (1 + 2 + 2)
