@@ -42,10 +42,11 @@ class CostModel(ABC):
                 layers: tuple[int, int] | None = None) -> float:
         """Seconds for one forward of `tokens` tokens over `context` cached tokens."""
 
-    def tree_forward(self, role: Role, tokens: int, context: int) -> float:
+    def tree_forward(self, role: Role, tokens: int, context: int, alone: bool = False) -> float:
         """Seconds for one tree-masked forward of `tokens` tree nodes over `context` cached
         slots (a draft expansion, a tree verification). Models that do not tell the shapes
-        apart charge the chain-shaped forward."""
+        apart charge the chain-shaped forward. ``alone``: without the other group's
+        contention (a model that charges contention leaves it out)."""
         return self.forward(role, tokens, context)
 
     def tree_expand_extra(self, leaves: int) -> float:

@@ -383,14 +383,15 @@ class ProfileCost(CostModel):
                 self.scale_k[k] = ratio
 
     def forward(self, role: Role, tokens: int, context: int,
-                layers: tuple[int, int] | None = None, _raw: bool = False, shape: str = "chain") -> float:
-        t = self._forward_unscaled(role, tokens, context, layers, shape)
+                layers: tuple[int, int] | None = None, _raw: bool = False, shape: str = "chain",
+                alone: bool = False) -> float:
+        t = self._forward_unscaled(role, tokens, context, layers, shape, alone)
         if _raw:
             return t
         return t * (self.scale_k.get(tokens, self.scale["target"]) if role == "target" else self.scale[role])
 
-    def tree_forward(self, role: Role, tokens: int, context: int) -> float:
-        return self.forward(role, tokens, context, shape="tree")
+    def tree_forward(self, role: Role, tokens: int, context: int, alone: bool = False) -> float:
+        return self.forward(role, tokens, context, shape="tree", alone=alone)
 
     def tree_expand_extra(self, leaves: int) -> float:
         # on every rank of a TP group alike (each selects over the whole vocabulary): no TP factor
@@ -398,7 +399,7 @@ class ProfileCost(CostModel):
         return 0.0 if table is None else table(leaves) * self.scale["draft"]
 
     def _forward_unscaled(self, role: Role, tokens: int, context: int,
-                          layers: tuple[int, int] | None, shape: str = "chain") -> float:
+                          layers: tuple[int, int] | None, shape: str = "chain", alone: bool = False) -> float:
         table = self._forward[role]
         if isinstance(table, Table1D):  # n-gram lookup: one per round, spread over γ calls
             t = table(context) / self.gamma
@@ -407,7 +408,8 @@ class ProfileCost(CostModel):
             factor = self._factor.get(role)
             if factor is not None:
                 t *= factor(shape, tokens, context)
-            t *= self.contention_factor(role, tokens)
+            if not alone:
+                t *= self.contention_factor(role, tokens)
             if role == "target":
                 t += self._pick if self._accept is None else self._accept(tokens)
         n_layers = hi = 0

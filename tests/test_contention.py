@@ -94,3 +94,27 @@ def test_async_prediction_replays_the_async_run_before_a_serial_tree(tmp_path: P
     assert [d.name for d, _ in select_trace_runs(tmp_path, exp)] == ["async"]
     (tmp_path / "async" / "summary.json").unlink()
     assert [d.name for d, _ in select_trace_runs(tmp_path, exp)] == ["tree"]  # the fallback
+
+
+def test_async_depth_is_chosen_from_each_forward_alone(tmp_path: Path) -> None:
+    """d = round(t_target / t_draft) from the uncontended forwards, as the real backend times
+    them (one after the other): contention slows the run's forwards, not the choice of d."""
+    import json
+
+    from sim.engine import run
+
+    runs = {}
+    for name, prof in (("plain", profile_with_tp()), ("busy", contended_profile())):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(prof))
+        runs[name] = run(compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "sim.cost_model=profile",
+                                     f"sim.profile_path={path}", "schedule=async", "schedule.tree_budget=8",
+                                     "schedule.tree_width=4", "workload.num_prompts=1", "workload.max_new_tokens=16"))
+    plain, busy = runs["plain"].extra, runs["busy"].extra
+    assert busy["t_target_ms"] == pytest.approx(plain["t_target_ms"])
+    assert busy["t_draft_ms"] == pytest.approx(plain["t_draft_ms"])
+    assert busy["tree_depth_used"] == plain["tree_depth_used"]
+    # while the run's forwards are slowed (1.5x target at bs = 8): the run takes longer
+    def decode_s(name: str) -> float:
+        return float(runs[name].recorder.frames()[1]["decode_s"].sum())
+    assert decode_s("busy") > decode_s("plain")

@@ -89,11 +89,34 @@ def test_validate_sweep_has_the_async_grid() -> None:
     sw = OmegaConf.load(CONF / "sweep" / "validate.yaml").hydra.sweeper
     s = GridsSweeper(params=dict(sw.params), grids=OmegaConf.to_container(sw.grids), only=["async"])
     got = jobs(s)
-    assert len(got) == 2 * 2 * 2 * 2 * 3  # pairs x workloads x temperatures x budgets x roles
+    assert len(got) == 2 * 2 * 2 * 3  # pairs x workloads x temperatures x roles
     seen = set()
     for job in got[::3]:
         exp = compose_exp("+sweep=validate", *[o for o in job if not o.startswith("+validate")])
         seen.add((exp.pair.name, exp.workload.name, exp.sampling.temperature, exp.schedule.tree_budget))
         assert exp.schedule.name == "async" and exp.placement.target_gpus == exp.placement.draft_gpus == 1
-    assert len(seen) == 16
+    assert len(seen) == 8
     assert {p for p, *_ in seen} == {"smollm2_135m+smollm2_draft", "smollm2_135m+ngram3"}
+
+
+def test_validate_covers_every_family_at_a_default_size_that_fits_90_minutes() -> None:
+    """Chain, serial tree, DSD, async and the lookahead policies in one default sweep of 168
+    jobs (~1 hour measured); each dynamic policy's cap is a static γ of the chain grid, whose
+    trace its prediction replays (sim/oracle_trace.py prefers static recordings)."""
+    from tests.conftest import compose_exp
+
+    sw = OmegaConf.load(CONF / "sweep" / "validate.yaml").hydra.sweeper
+    grids = OmegaConf.to_container(sw.grids)
+    every = jobs(GridsSweeper(params=dict(sw.params), grids=grids))
+    assert len(every) == 168
+    chain_gammas = {int(g) for g in str(sw.params["schedule.gamma"]).split(",")}
+    policies = {}
+    for name in ("lookahead", "disco"):
+        for job in jobs(GridsSweeper(params=dict(sw.params), grids=grids, only=[name])):
+            if job[-1] != "+validate=measure":
+                continue
+            exp = compose_exp("+sweep=validate", *job)
+            policies[exp.lookahead.policy] = exp.schedule.gamma
+            assert exp.sampling.temperature == 0.0 and exp.pair.name == "smollm2_135m+smollm2_draft"
+    assert set(policies) == {"heuristic", "confidence", "oracle", "disco"}
+    assert set(policies.values()) <= chain_gammas

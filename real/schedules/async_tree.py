@@ -26,7 +26,8 @@ tensor-parallel shard (SPMD), and a leader hands each message it receives to its
 d: ``testbed.spec.tree_drafter.async_depth`` — ``schedule.tree_depth``, or, when 0, from t_target
 (a target forward over bs tokens plus both messages) and t_draft (a draft forward over w
 leaves), measured at the start of the run on the run's own devices at the middle of the first
-request (``probe_times``) — the simulator models the same two times from its cost model.
+request, one after the other (each alone) — the simulator models the same two times from its
+cost model.
 
 Message formats (``real.links.Message``): ``Kind.TREE`` = int32 rows (token, parent, draw index)
 per batch node, float64 (draft seconds since the last subtree, draft prefill end), and at
@@ -174,7 +175,7 @@ def _time_lookup(side: Side, req: RealRequest, width: int) -> float:
 def probe_target(side: Side, exp: Any, req: RealRequest) -> None:
     """Target group: time one verification forward at the middle of ``req``, tell the draft."""
     ref = len(req.prompt_ids) + req.max_new_tokens // 2
-    side.peer.recv()  # the draft group is loaded: time both forwards at once, as they will run
+    side.peer.recv()  # the draft group is loaded (and waits): time the verification alone
     t = _time_forward(side, exp.schedule.tree_budget, ref)
     side.peer.send(Message(Kind.DATA, request_id=req.request_id,
                            tensors=(torch.tensor([t], dtype=torch.float64),)))
@@ -187,10 +188,13 @@ def probe_draft(side: Side, exp: Any, req: RealRequest) -> tuple[int, float, flo
     s = exp.schedule
     ref = len(req.prompt_ids) + req.max_new_tokens // 2
     side.peer.send(Message(Kind.DATA, request_id=req.request_id))  # loaded
-    t_draft = (_time_forward(side, s.tree_width, ref) if side.fwd is not None
-               else _time_lookup(side, req, s.tree_width))
+    # one after the other, each forward alone (the simulator's choose_depth likewise takes the
+    # uncontended figures): timed at once, the draft's short timing ended long before the
+    # target's, which then read its forward alone anyway
     msg = side.peer.recv()
     one_way = side.peer.share(max(0.0, side.now() - msg.sent_s))  # the leader's reading for everyone
+    t_draft = (_time_forward(side, s.tree_width, ref) if side.fwd is not None
+               else _time_lookup(side, req, s.tree_width))
     t_target = float(msg.tensors[0][0]) + 2 * one_way
     depth = async_depth(tree_depth=s.tree_depth, t_target=t_target, t_draft=t_draft)
     side.peer.send(Message(Kind.DATA, request_id=req.request_id, version=depth,
