@@ -27,7 +27,7 @@ from testbed.config import ExperimentConfig, ModelConfig
 
 PROBE_CONTEXT = 64  # slot of the probed token: the smallest context of the profile's tables
 WARMUP = 3
-REPEATS = 15  # interleaved over the models: ~0.6 s for the bundled pair on one core
+REPEATS = 30  # interleaved over the models: ~1 s for the bundled pair on one core
 REUSE_S = 30.0
 
 ProbeFns = dict[str, Callable[[], Any]]
