@@ -197,7 +197,8 @@ def _same_tp(s: dict, exp: ExperimentConfig) -> bool:
 def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
     """Every recorded request of the selected runs, in order; ConfigError when there is none.
     Per-token draft features are loaded when the lookahead policy reads them."""
-    with_features = exp.lookahead.policy in ("confidence", "disco")
+    # `ar` (a prediction's baseline, which keeps the policy setting) drafts nothing
+    with_features = exp.lookahead.policy in ("confidence", "disco") and exp.schedule.name != "ar"
     raw = exp.acceptance.trace_path
     if not raw:
         raise ConfigError("acceptance.trace_path", raw, f"a real run directory (acceptance=trace replays one); {HOWTO}")

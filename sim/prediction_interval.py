@@ -35,7 +35,10 @@ def resample_traces(traces: list[RequestTrace], rng: random.Random) -> list[Requ
     out = []
     for _ in traces:
         t = traces[rng.randrange(len(traces))]
-        out.append(RequestTrace([t.rounds[rng.randrange(len(t.rounds))] for _ in t.rounds], t.gamma))
+        picks = [rng.randrange(len(t.rounds)) for _ in t.rounds]
+        # a round's per-token draft features travel with it (confidence and DISCO read them)
+        features = [t.features[i] for i in picks] if t.features else t.features
+        out.append(RequestTrace([t.rounds[i] for i in picks], t.gamma, features))
     return out
 
 

@@ -158,3 +158,18 @@ def test_a_wan_prediction_replays_its_own_dsd_run_and_its_ar_baseline_too(tmp_pa
     summary = build_summary(pred, sim_run(pred))
     recorded = sum(n for _, n, _ in rounds) / len(rounds)
     assert summary["mean_accepted_len"] == pytest.approx(recorded + 1)  # the recorded rounds, replayed
+
+
+def test_an_ar_baseline_of_a_feature_reading_policy_needs_no_features(tmp_path: Path) -> None:
+    # a confidence or DISCO prediction's `ar` baseline keeps the policy setting but drafts
+    # nothing: it must not demand per-token features (the validate DISCO prediction failed so)
+    from sim.oracle_trace import load_trace
+    from testbed.config import ConfigError
+
+    run = tmp_path / "run"
+    write_trace_run(run, 2)
+    with pytest.raises(ConfigError, match="per-token draft features"):
+        load_trace(sim_exp(run, 2, 2, "lookahead=confidence"))
+    baseline = sim_exp(run, 2, 2, "lookahead=confidence")
+    baseline.schedule.name = "ar"  # as the prediction builds its baseline: the policy stays
+    assert len(load_trace(baseline)) == 2

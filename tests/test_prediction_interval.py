@@ -27,6 +27,19 @@ def test_resampling_draws_requests_then_their_own_rounds() -> None:
             assert len(t.rounds) in (5, 4)
 
 
+def test_resampled_rounds_keep_their_own_draft_features() -> None:
+    """A confidence or DISCO prediction reads each round's per-token features: a resampled
+    round carries the features recorded with it (they were dropped, and the interval failed)."""
+    rounds = [(2, 2), (2, 0), (2, 1)]
+    features = [[[float(r), float(i)] for i in range(d)] for r, (d, _) in enumerate(rounds)]
+    out = resample_traces([RequestTrace(rounds, 2, features)], random.Random(3))
+    for t in out:
+        assert t.features is not None and len(t.features) == len(t.rounds)
+        for rnd, feats in zip(t.rounds, t.features):
+            assert rounds[int(feats[0][0])] == rnd  # the features of the very round drawn
+    assert resample_traces([RequestTrace(rounds, 2)], random.Random(3))[0].features is None
+
+
 def test_interval_surrounds_the_prediction_and_is_deterministic(tmp_path: Path) -> None:
     write_trace_run(tmp_path / "real", gamma=4, requests=4)
     exp = sim_exp(tmp_path / "real", 4, 4, "sim.prediction_resamples=40")
