@@ -302,7 +302,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
     from testbed.spec.sampling import SamplingParams
 
     grid = grid or Grid()
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    from real.loading import DTYPES as dtypes
     started = time.perf_counter()
     load_before = load_average()
     probe_before = probe_record()  # the machine's speed now (sim.profile_drift=probe)

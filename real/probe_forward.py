@@ -78,6 +78,7 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
     """Median seconds of the probe forward per transformer model of ``exp``'s pair, measured
     now with ``real.threads`` intra-op threads (the profile's setting) — or reused from a
     reading less than ``REUSE_S`` seconds old."""
+    from real.loading import DTYPES
     from real.weights import load_model
     from testbed.paths import repo_path
 
@@ -91,9 +92,8 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
         torch.set_num_threads(exp.real.threads)
     try:
         if key not in _models:
-            dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
             target, tokenizer = load_model(None if t.path is None else repo_path(t.path),
-                                           dtype=dtypes[exp.real.dtype], max_seq=PROBE_CONTEXT + 2)
+                                           dtype=DTYPES[exp.real.dtype], max_seq=PROBE_CONTEXT + 2)
             _models.clear()  # one pair's models at a time
             drafts = [] if exp.schedule.name == "ar" else [d]
             _models[key] = probe_functions(exp, target, tokenizer, drafts)
