@@ -12,6 +12,10 @@ HYDRA_FLAGS = ("--cfg", "-c", "--info", "--hydra-help", "--resolve", "--package"
 
 
 def main() -> None:
+    if "hydra/launcher=joblib" in sys.argv[1:] and "--help" not in sys.argv:
+        from testbed.worker_pool import start_fork_server_for
+
+        start_fork_server_for(sys.argv[1:])
     from testbed.preflight import normalize_args
 
     args = normalize_args(sys.argv[1:])

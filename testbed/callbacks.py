@@ -47,6 +47,9 @@ class SweepReport(Callback):
             print(f"sweep report: {report.with_suffix('.html')}")
         except (FileNotFoundError, ReportError) as e:
             print(f"error: no report: {e}", file=sys.stderr)
+        from testbed.worker_pool import shutdown
+
+        shutdown()
         if failed:
             print(f"error: {len(failed)} job(s) failed (listed in the report and results.csv); "
                   "re-run the same command with the same hydra.sweep.dir to redo only those",

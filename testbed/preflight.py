@@ -404,4 +404,7 @@ def main_guard(args: list[str], composed: dict[str, Any] | None = None) -> int:
         return preflight(args, composed, warm_pool=True)
     except PreflightError as e:
         print(f"error: {e}", file=sys.stderr)
+        from testbed.worker_pool import shutdown
+
+        shutdown()  # the workers (and their fork server) started for the jobs that won't run
         raise SystemExit(2) from None

@@ -24,16 +24,33 @@ def _preloaded() -> bool:
     return all(m in sys.modules for m in ("sim.engine", "sim.schedules.async_tree", "torch", "seaborn"))
 
 
+def _origin() -> tuple[int, int, int]:
+    import torch
+
+    return os.getpid(), os.getppid(), torch.get_num_threads()
+
+
 def test_other_launchers_are_not_warmed() -> None:
     basic = {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"}
     assert worker_pool.joblib_parallel_kwargs(basic) is None
 
 
-def test_launcher_reuses_the_warm_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    from joblib import Parallel, delayed
+@pytest.fixture
+def fresh_pool(monkeypatch: pytest.MonkeyPatch):
+    """A process without a warm pool, and loky's process-wide start method restored after."""
+    from joblib.externals.loky.backend import context
 
     monkeypatch.setattr(worker_pool, "_thread", None)
     monkeypatch.setattr(worker_pool, "_kwargs", None)
+    method = context.get_start_method()
+    yield
+    worker_pool.shutdown()
+    context.set_start_method(method, force=True)
+
+
+def test_launcher_reuses_the_warm_workers(fresh_pool: None) -> None:
+    from joblib import Parallel, delayed
+
     launcher = OmegaConf.structured(JobLibLauncherConf)
     launcher.n_jobs = 2
     assert worker_pool.warm(launcher)
@@ -50,9 +67,60 @@ def test_launcher_reuses_the_warm_workers(monkeypatch: pytest.MonkeyPatch) -> No
     assert all(Parallel(**cfg)(delayed(_preloaded)() for _ in range(4)))
     assert os.getpid() not in warm_pids
     assert job_pids <= warm_pids  # a different executor would have started new processes
-    from joblib.externals.loky import get_reusable_executor
+    import multiprocessing
 
-    get_reusable_executor().shutdown(wait=True)
     import psutil
 
+    origins = Parallel(**cfg)(delayed(_origin)() for _ in range(4))
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        # forked from one server that imported all once (not the test process, not spawned)
+        servers = {ppid for _, ppid, _ in origins}
+        assert len(servers) == 1 and os.getpid() not in servers
+        server = psutil.Process(servers.pop())
+        assert server.ppid() == os.getpid()
+        # each of the 2 workers gets its share of the cores for torch's pool, as loky's own
+        cores = len(os.sched_getaffinity(0))
+        assert {threads for *_, threads in origins} == {max(1, cores // 2)}
+    worker_pool.shutdown()
     assert not [p for p in warm_pids if psutil.pid_exists(p)], "loky workers left running"
+    assert not [c for c in psutil.Process().children() if "forkserver" in " ".join(c.cmdline())]
+
+
+def _started_by(pid: int) -> list:
+    """Live processes whose fork server was started by process ``pid`` (workers, the server)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and \
+                    p.environ().get(worker_pool.SERVER_PARENT_ENV) == str(pid) and p.pid != pid:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def test_a_joblib_sweep_gives_the_basic_launchers_results_and_leaves_no_process(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    from tests.conftest import ROOT
+
+    grid = ["-m", "schedule.gamma=1,2,3", "workload.num_prompts=2", "workload.max_new_tokens=32"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "0"}
+    tables = {}
+    for launcher in ("basic", "joblib"):
+        sweep = tmp_path / launcher
+        proc = subprocess.Popen([sys.executable, "-m", "testbed", *grid, f"hydra/launcher={launcher}",
+                                 f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        assert not _started_by(proc.pid), "the sweep's fork server or workers outlived it"
+        tables[launcher] = pd.read_parquet(sweep / "results.parquet")
+    assert len(tables["joblib"]) == 3 and set(tables["joblib"]["status"]) == {"ok"}
+    cols = [c for c in tables["basic"].columns if c not in ("run_dir", "path", "job")]
+    pd.testing.assert_frame_equal(tables["basic"][cols], tables["joblib"][cols])
