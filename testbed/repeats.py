@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from testbed.stats import median_ci, ratio_ci
+from testbed.stats import mean_ci, median_ci, ratio_ci
 
 BASELINE = "ar"
 
@@ -48,6 +48,22 @@ def per_request(requests: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
     return {"tokens_per_s": tps, "tpot_ms": tpot}
 
 
+def mean_fields(passes: Sequence[Sequence[dict[str, Any]]], seed: int = 0) -> dict[str, Any]:
+    """``<metric>_mean`` and ``<metric>_mean_ci95`` for tokens/s and TPOT: the headline statistic
+    (the mean over requests, testbed.metrics.summarize) over prompts × passes, with its 95%
+    bootstrap interval. `passes` are the request records of each measurement of the same prompts
+    (one pass: the interval covers which prompts were drawn, not the machine's run-to-run noise)."""
+    out: dict[str, Any] = {}
+    for metric in ("tokens_per_s", "tpot_ms"):
+        grid = np.array([per_request(reqs)[metric] for reqs in passes], dtype=float).T
+        if grid.size == 0 or not np.isfinite(grid).any():
+            continue
+        iv = mean_ci(grid, seed=seed)
+        out[f"{metric}_mean"] = iv.value
+        out[f"{metric}_mean_ci95"] = [iv.low, iv.high]
+    return out
+
+
 def repeat_summary(measured: dict[str, list[Sequence[dict[str, Any]]]], config: str,
                    baseline: str | None = BASELINE, seed: int = 0) -> dict[str, Any]:
     """Summary fields from every measurement: ``measured[name][repeat]`` is that measurement's
@@ -55,7 +71,7 @@ def repeat_summary(measured: dict[str, list[Sequence[dict[str, Any]]]], config: 
     def grid(name: str, metric: str) -> np.ndarray:  # [prompts, repeats]
         return np.array([per_request(reqs)[metric] for reqs in measured[name]], dtype=float).T
 
-    out: dict[str, Any] = {"repeats": len(measured[config])}
+    out: dict[str, Any] = {"repeats": len(measured[config]), **mean_fields(measured[config], seed)}
     for metric in ("tokens_per_s", "tpot_ms"):
         iv = median_ci(grid(config, metric), seed=seed)
         out[f"{metric}_median"] = iv.value

@@ -67,14 +67,27 @@ def _percentiles(stats: np.ndarray, confidence: float) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
+def _statistic_ci(values: Any, statistic: Any, confidence: float, resamples: int, seed: int
+                  ) -> Interval:
+    a = _grid(values)
+    rows, cols = _resample_index(a.shape, resamples, np.random.default_rng(seed))
+    boot = statistic(a[rows, cols].reshape(resamples, -1), axis=1)
+    lo, hi = _percentiles(boot, confidence)
+    return Interval(float(statistic(a)), lo, hi, confidence, int(np.isfinite(a).sum()))
+
+
 def median_ci(values: Any, *, confidence: float = CONFIDENCE, resamples: int = RESAMPLES,
               seed: int = 0) -> Interval:
     """Median of `values` ([prompts, repeats] or [prompts]) and its bootstrap interval."""
-    a = _grid(values)
-    rows, cols = _resample_index(a.shape, resamples, np.random.default_rng(seed))
-    boot = np.nanmedian(a[rows, cols].reshape(resamples, -1), axis=1)
-    lo, hi = _percentiles(boot, confidence)
-    return Interval(float(np.nanmedian(a)), lo, hi, confidence, int(np.isfinite(a).sum()))
+    return _statistic_ci(values, np.nanmedian, confidence, resamples, seed)
+
+
+def mean_ci(values: Any, *, confidence: float = CONFIDENCE, resamples: int = RESAMPLES,
+            seed: int = 0) -> Interval:
+    """Mean of `values` ([prompts, repeats] or [prompts]) and its bootstrap interval: the
+    statistic of a run's headline tokens/s and TPOT (means over its requests), so the interval
+    a prediction of those figures is held against."""
+    return _statistic_ci(values, np.nanmean, confidence, resamples, seed)
 
 
 def ratio_ci(numerator: Any, denominator: Any, *, confidence: float = CONFIDENCE,

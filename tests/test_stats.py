@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from testbed.stats import median_ci, ratio_ci, relative_width
+from testbed.stats import mean_ci, median_ci, ratio_ci, relative_width
 
 TRIALS = 300
 # Percentile-bootstrap intervals of a median from 30-60 values cover at 0.90-0.97 in the
@@ -22,6 +22,16 @@ def test_median_interval_covers_the_true_median_at_the_nominal_rate() -> None:
     hits = sum(median_ci(rng.lognormal(mu, sigma, size=40), resamples=1000, seed=t).covers(40.0)
                for t in range(TRIALS))
     assert LOW <= hits / TRIALS <= HIGH, hits / TRIALS
+
+
+def test_mean_interval_covers_the_true_mean_of_a_skewed_distribution() -> None:
+    rng = np.random.default_rng(5)
+    mu, sigma = math.log(40.0), 0.3  # lognormal: true mean exp(mu + sigma²/2) = 41.8, median 40
+    mean = math.exp(mu + sigma**2 / 2)
+    ivs = [mean_ci(rng.lognormal(mu, sigma, size=40), resamples=1000, seed=t) for t in range(TRIALS)]
+    hits = sum(iv.covers(mean) for iv in ivs)
+    assert LOW <= hits / TRIALS <= HIGH, hits / TRIALS
+    assert sum(iv.value for iv in ivs) / TRIALS == pytest.approx(mean, rel=0.01)
 
 
 def test_two_stage_interval_covers_with_prompt_and_repeat_noise() -> None:
