@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from sim.cost_profile import CALIBRATE_CMD, SCHEMA, ProfileCost, interp1
+from sim.cost_profile import ProfileCost
+from sim.profile_tables import CALIBRATE_CMD, SCHEMA, interp1
 from testbed.config import ConfigError, validate
 from tests.conftest import compose_exp, run_cli
 

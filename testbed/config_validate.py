@@ -1,0 +1,186 @@
+"""``validate``: every value of an experiment against its allowed range (testbed/config.py holds
+the dataclasses); a bad one raises ``ConfigError`` naming the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+from testbed.config import (
+    COST_MODELS,
+    MLPS,
+    MODEL_KINDS,
+    ORACLES,
+    PROFILE_DRIFTS,
+    QUANTS,
+    WORKLOADS,
+    ConfigError,
+    ExperimentConfig,
+    ModelConfig,
+)
+from testbed.schedules import BACKENDS, SCHEDULES, unsupported
+from testbed.spec.lookahead import POLICIES as LOOKAHEADS
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(key, value, "one of " + ", ".join(allowed))
+
+
+def _int_range(key: str, value: int, lo: int, hi: int | None = None) -> None:
+    if value < lo or (hi is not None and value > hi):
+        raise ConfigError(key, value, f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]")
+
+
+def _float_range(key: str, value: float, lo: float, hi: float | None = None,
+                 lo_open: bool = False, hi_open: bool = False) -> None:
+    bad = value < lo or (lo_open and value == lo)
+    if hi is not None:
+        bad = bad or value > hi or (hi_open and value == hi)
+    if bad or value != value:  # NaN
+        lb = "(" if lo_open else "["
+        rb = ")" if hi_open else "]"
+        raise ConfigError(key, value, f"a number in {lb}{lo}, {hi if hi is not None else '∞'}{rb}")
+
+
+def _validate_model(prefix: str, m: ModelConfig, backend: str) -> None:
+    _choice(f"{prefix}.kind", m.kind, MODEL_KINDS)
+    _choice(f"{prefix}.quant", m.quant, QUANTS)
+    _choice(f"{prefix}.mlp", m.mlp, MLPS)
+    if m.kind == "transformer":
+        for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
+            _int_range(f"{prefix}.{k}", getattr(m, k), 1)
+        if m.heads % m.kv_heads:
+            raise ConfigError(f"{prefix}.kv_heads", m.kv_heads,
+                              f"a divisor of {prefix}.heads={m.heads}")
+    if m.kind == "ngram":
+        _int_range(f"{prefix}.ngram", m.ngram, 1, 16)
+
+
+def _validate_lookahead(exp: ExperimentConfig) -> None:
+    """lookahead=... and its options (testbed/spec/lookahead.py)."""
+    from testbed.spec.lookahead import PER_TOKEN, ClassifierError, load_classifier, resolve_path
+
+    la, s = exp.lookahead, exp.schedule
+    _choice("lookahead", la.policy, LOOKAHEADS)
+    if la.threshold is not None:
+        if la.policy not in ("confidence", "disco"):
+            raise ConfigError("lookahead.threshold", la.threshold,
+                              "unset with lookahead=" + la.policy + " (only confidence and disco use a threshold)")
+        _float_range("lookahead.threshold", la.threshold, 0.0, 1.0)
+    if la.path is not None and la.policy != "disco":
+        raise ConfigError("lookahead.path", la.path, f"unset with lookahead={la.policy} (only disco loads a classifier)")
+    if la.policy in PER_TOKEN and (s.name != "sync" or s.tree):
+        raise ConfigError("lookahead", la.policy, "static or heuristic with schedule=" + s.name
+                          + (" (tree)" if s.tree else "") + " (per-token stopping runs in the sync chain)")
+    if la.policy in ("confidence", "disco") and exp.backend == "sim" and exp.acceptance.oracle == "iid":
+        raise ConfigError("lookahead", la.policy, "static, heuristic or oracle with acceptance=iid (it has "
+                          "no draft distributions: use acceptance=synthetic or acceptance=trace)")
+    if la.policy == "oracle" and exp.backend == "real" and exp.sampling.temperature != 0:
+        raise ConfigError("lookahead", la.policy, "another policy with sampling.temperature>0 on backend=real "
+                          "(the oracle knows the target's choices from its greedy continuation)")
+    if la.policy == "disco":
+        try:
+            load_classifier(str(resolve_path(la.path)), exp.pair.target.name if exp.backend == "real" else "")
+        except ClassifierError as e:
+            raise ConfigError("lookahead.path", la.path, str(e)) from None
+
+
+def validate(exp: ExperimentConfig) -> ExperimentConfig:
+    """Raise ConfigError on the first bad value; return the config unchanged otherwise."""
+    _choice("backend", exp.backend, BACKENDS)
+    _int_range("seed", exp.seed, 0)
+    s = exp.schedule
+    _choice("schedule", s.name, SCHEDULES)
+    _int_range("schedule.gamma", s.gamma, 1, 64)
+    _int_range("schedule.tree_width", s.tree_width, 1, 256)
+    _int_range("schedule.tree_budget", s.tree_budget, 1, 1024)
+    _int_range("schedule.tree_depth", s.tree_depth, 0, 64)
+    _float_range("schedule.tau", s.tau, 0.0, 1.0)
+    _float_range("schedule.lambda1", s.lambda1, 0.0, lo_open=True)
+    _float_range("schedule.lambda2", s.lambda2, 0.0, 1.0)
+    _float_range("schedule.lambda3", s.lambda3, 0.0, 1.0)
+    _validate_lookahead(exp)
+
+    t, d = exp.pair.target, exp.pair.draft
+    _validate_model("pair.target", t, exp.backend)
+    if t.kind != "transformer":
+        raise ConfigError("pair.target.kind", t.kind, "transformer (only drafts may be ngram/early_exit)")
+    _validate_model("pair.draft", d, exp.backend)
+    # Draft and target must share a tokenizer. Tokenizer tags decide when both models carry one
+    # (embedding tables may be padded differently, e.g. Qwen2-72B 152064 vs Qwen2-1.5B 151936).
+    if d.kind == "transformer" and d.tokenizer and t.tokenizer:
+        if d.tokenizer != t.tokenizer:
+            raise ConfigError("pair.draft.tokenizer", d.tokenizer,
+                              f"the target's tokenizer {t.tokenizer!r} (draft and target must share a vocabulary)")
+    elif d.kind == "transformer" and d.vocab != t.vocab:
+        raise ConfigError("pair.draft.vocab", d.vocab,
+                          f"the target's vocabulary size {t.vocab} (draft and target must share a tokenizer)")
+    if d.kind == "early_exit":
+        _int_range("pair.draft.exit_layer", d.exit_layer, 1, t.layers - 1)
+
+    hw, pl = exp.hardware, exp.placement
+    _int_range("hardware.gpus_per_node", hw.gpus_per_node, 1)
+    _int_range("hardware.nodes", hw.nodes, 1)
+    n = hw.gpus_per_node
+    _int_range("placement.target_gpus", pl.target_gpus, 1, n)
+    _int_range("placement.draft_gpus", pl.draft_gpus, 1, n)
+    if s.name == "async" and pl.target_gpus + pl.draft_gpus > n:
+        raise ConfigError("placement.draft_gpus", pl.draft_gpus,
+                          f"at most {n - pl.target_gpus}: async puts draft and target on disjoint GPUs "
+                          f"and placement.target_gpus={pl.target_gpus} of {n} are taken")
+    if s.name == "async" and d.kind == "early_exit":
+        raise ConfigError("pair.draft.kind", d.kind, "transformer or ngram with schedule=async "
+                          "(an early-exit draft runs on the target's GPUs, async needs its own)")
+    _int_range("placement.nodes", pl.nodes, 1, 64)
+    if s.name in ("decentralized", "ar") and pl.nodes > t.layers:
+        raise ConfigError("placement.nodes", pl.nodes, f"at most the target's {t.layers} layers")
+
+    net = exp.network
+    _float_range("network.latency_ms", net.latency_ms, 0.0)
+    _float_range("network.bandwidth_gbps", net.bandwidth_gbps, 0.0)
+    _float_range("network.jitter_ms", net.jitter_ms, 0.0)
+
+    a = exp.acceptance
+    _choice("acceptance", a.oracle, ORACLES)
+    _float_range("acceptance.alpha", a.alpha, 0.0, 1.0, hi_open=True)
+    _int_range("acceptance.vocab", a.vocab, 2, 1 << 20)
+    _int_range("schedule.draft_topk", s.draft_topk, 0)
+    if exp.backend == "sim" and s.name == "decentralized" and s.adaptive and a.oracle == "iid":
+        raise ConfigError("schedule.adaptive", s.adaptive, "false with acceptance=iid (DSD adaptive "
+                          "verification needs token distributions: use acceptance=synthetic)")
+
+    sm = exp.sim
+    _choice("sim.cost_model", sm.cost_model, COST_MODELS)
+    _float_range("sim.c", sm.c, 0.0)
+    _float_range("sim.t_target_ms", sm.t_target_ms, 0.0, lo_open=True)
+    _choice("sim.profile_drift", sm.profile_drift, PROFILE_DRIFTS)
+    if sm.profile_drift != "none" and sm.profile_rescale:
+        raise ConfigError("sim.profile_drift", sm.profile_drift, "none with sim.profile_rescale=true (both "
+                          "set the profile's level: the rescale from the trace runs, the drift from a probe)")
+    if sm.profile_drift != "none" and sm.cost_model != "profile":
+        raise ConfigError("sim.profile_drift", sm.profile_drift, "none unless sim.cost_model=profile (it "
+                          "corrects a measured profile for the machine's drift)")
+
+    w = exp.workload
+    _choice("workload", w.name, WORKLOADS)
+    _int_range("workload.num_prompts", w.num_prompts, 1, 100_000)
+    _int_range("workload.max_new_tokens", w.max_new_tokens, 1, 1_000_000)
+    _int_range("workload.prompt_len", w.prompt_len, 1, 10_000_000)
+    _choice("workload.split", w.split, ("all", "calibrate", "holdout", "trace", "test"))
+
+    sp = exp.sampling
+    _float_range("sampling.temperature", sp.temperature, 0.0, 100.0)
+    _int_range("sampling.top_k", sp.top_k, 0)
+    _float_range("sampling.top_p", sp.top_p, 0.0, 1.0, lo_open=True)
+
+    why = unsupported(exp.backend, s.name, s.tree)
+    if why:
+        raise ConfigError("schedule", s.name + (" (tree)" if s.tree else ""), why)
+    if exp.calibrate and exp.backend != "real":
+        raise ConfigError("calibrate", exp.calibrate, "false with backend=sim (calibration measures "
+                          "this machine: python -m testbed backend=real +calibrate)")
+    _choice("real.dtype", exp.real.dtype, ("fp32", "bf16", "fp16"))
+    _int_range("real.threads", exp.real.threads, 0, 1024)
+    _int_range("real.repeats", exp.real.repeats, 1, 1000)
+    _int_range("sim.prediction_resamples", exp.sim.prediction_resamples, 0, 10000)
+    _float_range("real.recv_timeout_s", exp.real.recv_timeout_s, 0.0, 3600.0, lo_open=True)
+    _choice("real.allreduce", exp.real.allreduce, ("shm", "gloo"))
+    return exp
