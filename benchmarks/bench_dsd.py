@@ -33,14 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose_exp(overrides: list[str]):  # -> testbed.config.ExperimentConfig
-    from hydra import compose, initialize_config_dir
+    from testbed.config import compose_experiment
 
-    from testbed.config import register_configs, to_experiment, validate
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    return validate(to_experiment(cfg))
+    return compose_experiment(overrides)
 
 
 def per_prompt(rec) -> list[float]:  # type: ignore[no-untyped-def]

@@ -50,16 +50,9 @@ DRAFT_DIR = ROOT / "models" / "smollm2-draft"
 # ------------------------------------------------------------------------------ setup
 def compose_exp(overrides: list[str]):  # -> testbed.config.ExperimentConfig
     """The experiment exactly as ``python -m testbed OVERRIDES`` would compose it."""
-    from hydra import compose, initialize_config_dir
+    from testbed.config import compose_experiment
 
-    from testbed.config import register_configs, to_experiment, validate
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    exp = validate(to_experiment(cfg))
-    exp.pair.name = f"{exp.pair.target.name}+{exp.pair.draft.name}"
-    return exp
+    return compose_experiment(overrides)
 
 
 def random_draft_dir(tmp: Path) -> Path:

@@ -295,6 +295,21 @@ def to_experiment(cfg: DictConfig | dict) -> ExperimentConfig:
     return exp
 
 
+def compose_experiment(overrides: Iterable[str] = ()) -> ExperimentConfig:
+    """The experiment ``python -m testbed OVERRIDES`` runs, composed and validated: for scripts
+    (benchmarks, tests) that build runs without the CLI."""
+    from hydra import compose, initialize_config_dir
+
+    overrides = list(overrides)
+    register_configs(pairs_named(overrides))  # only the pairs named: composing stays fast
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    exp = validate(to_experiment(cfg))
+    if not exp.pair.name or exp.pair.name == "+":
+        exp.pair.name = f"{exp.pair.target.name}+{exp.pair.draft.name}"
+    return exp
+
+
 def as_dict(obj: Any) -> Any:
     """Dataclass tree -> plain dict (for run metadata)."""
     if is_dataclass(obj):
