@@ -4,6 +4,7 @@ with two pinned workers (tiny models)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import psutil
@@ -118,3 +119,29 @@ def test_async_depth_is_chosen_from_each_forward_alone(tmp_path: Path) -> None:
     def decode_s(name: str) -> float:
         return float(runs[name].recorder.frames()[1]["decode_s"].sum())
     assert decode_s("busy") > decode_s("plain")
+
+
+def test_async_depth_counts_the_whole_expansion_the_draft_is_charged(tmp_path: Path) -> None:
+    """t_draft is one whole expansion (forward + tree_expand_extra), as the simulator charges it
+    and the real backend times it (TreeDrafter.expand): an expansion overhead lowers d."""
+    import json
+
+    from sim.engine import run
+
+    runs = {}
+    for name, extra_s in (("bare", None), ("overhead", 0.004)):
+        prof = profile_with_tp()
+        if extra_s is not None:
+            prof["models"]["smollm2_draft"]["tree_expand"] = {
+                "greedy": {"leaves": [1, 16], "seconds": [extra_s, extra_s]}}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(prof))
+        runs[name] = run(compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "sim.cost_model=profile",
+                                     f"sim.profile_path={path}", "schedule=async", "schedule.tree_budget=8",
+                                     "schedule.tree_width=4", "workload.num_prompts=1",
+                                     "workload.max_new_tokens=16")).extra
+    bare, over = runs["bare"], runs["overhead"]
+    assert over["t_draft_ms"] == pytest.approx(bare["t_draft_ms"] + 4.0)
+    assert over["t_target_ms"] == pytest.approx(bare["t_target_ms"])
+    assert over["tree_depth_used"] == math.floor(over["t_target_ms"] / over["t_draft_ms"] + 0.5)
+    assert over["tree_depth_used"] < bare["tree_depth_used"]

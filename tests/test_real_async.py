@@ -69,6 +69,11 @@ def test_async_on_two_processes_equals_ar_at_temperature_0(tiny_pair) -> None:  
     assert spec == [r["output_ids"] for r in res.baseline.requests]
     assert all(len(o) == 20 for o in spec)
     assert res.extra["processes"] == 2 and res.extra["tree_depth_used"] >= 1
+    # d from the two probe times by the simulator's rule (t_draft: one whole expansion)
+    from testbed.spec.tree_drafter import async_depth
+
+    x = res.extra
+    assert x["tree_depth_used"] == async_depth(tree_depth=0, t_target=x["t_target_ms"], t_draft=x["t_draft_ms"])
     rounds, _, timeline = res.recorder.frames()
     assert (rounds.verified_tokens <= 6).all() and (rounds.accepted <= rounds.drafted).all()
     kinds = set(zip(timeline.resource, timeline.kind))

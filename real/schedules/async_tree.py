@@ -24,10 +24,11 @@ tensor-parallel shard (SPMD), and a leader hands each message it receives to its
 ``WorkerContext.broadcast_decision`` per message: ``Peer``) so the group stays in lockstep.
 
 d: ``testbed.spec.tree_drafter.async_depth`` — ``schedule.tree_depth``, or, when 0, from t_target
-(a target forward over bs tokens plus both messages) and t_draft (a draft forward over w
-leaves), measured at the start of the run on the run's own devices at the middle of the first
-request, one after the other (each alone) — the simulator models the same two times from its
-cost model.
+(a target forward over bs tokens plus both messages) and t_draft (one whole expansion of w
+leaves: the draft's forward, the distributions, the children picked and grown — what the draft
+does d times while the target verifies), measured at the start of the run on the run's own
+devices at the middle of the first request, one after the other (each alone) — the simulator
+models the same two times from its cost model.
 
 Message formats (``real.links.Message``): ``Kind.TREE`` = int32 rows (token, parent, draw index)
 per batch node, float64 (draft seconds since the last subtree, draft prefill end), and at
@@ -159,17 +160,23 @@ def _time_forward(side: Side, n: int, context: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _time_lookup(side: Side, req: RealRequest, width: int) -> float:
-    """Median seconds of one expansion of a model-free draft (the n-gram lookups of ``width``
-    leaves) over ``req``'s prompt."""
-    source = side.new_draft_source(list(req.prompt_ids), torch.Generator().manual_seed(0))
-    tree = source.new_tree()
+def _time_expansion(side: Side, exp: Any, req: RealRequest) -> float:
+    """Median seconds of one tree expansion as the draft worker does d of them a round: the
+    forward over the w leaves, their distributions, the children picked and the tree grown (the
+    simulator charges tree_forward + tree_expand_extra for the same), on a fresh tree at the
+    middle of ``req`` (the KV entries written are overwritten by the request's own prefill)."""
+    s = exp.schedule
+    ids = list(req.prompt_ids) + [req.prompt_ids[-1]] * (req.max_new_tokens // 2)
+    drafter = TreeDrafter(side.new_draft_source(ids, torch.Generator().manual_seed(0)),
+                          width=s.tree_width, budget=s.tree_budget)
+    drafter.expand()  # warm-up
     times = []
     for _ in range(PROBE_REPEATS):
         t = side.now()
-        source.draft_dists(tree, [0] * width)
+        if drafter.expand() is None:
+            break
         times.append(side.now() - t)
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2] if times else 0.0
 
 
 def probe_target(side: Side, exp: Any, req: RealRequest) -> None:
@@ -184,17 +191,15 @@ def probe_target(side: Side, exp: Any, req: RealRequest) -> None:
 
 def probe_draft(side: Side, exp: Any, req: RealRequest) -> tuple[int, float, float]:
     """Draft group: (d, t_target, t_draft) from the target's measured forward, the message's
-    one-way time (both messages of a round) and an expansion forward timed here."""
+    one-way time (both messages of a round) and an expansion timed here."""
     s = exp.schedule
-    ref = len(req.prompt_ids) + req.max_new_tokens // 2
     side.peer.send(Message(Kind.DATA, request_id=req.request_id))  # loaded
     # one after the other, each forward alone (the simulator's choose_depth likewise takes the
     # uncontended figures): timed at once, the draft's short timing ended long before the
     # target's, which then read its forward alone anyway
     msg = side.peer.recv()
     one_way = side.peer.share(max(0.0, side.now() - msg.sent_s))  # the leader's reading for everyone
-    t_draft = (_time_forward(side, s.tree_width, ref) if side.fwd is not None
-               else _time_lookup(side, req, s.tree_width))
+    t_draft = side.peer.share(_time_expansion(side, exp, req))  # (the leader's, as one_way)
     t_target = float(msg.tensors[0][0]) + 2 * one_way
     depth = async_depth(tree_depth=s.tree_depth, t_target=t_target, t_draft=t_draft)
     side.peer.send(Message(Kind.DATA, request_id=req.request_id, version=depth,

@@ -17,7 +17,8 @@ subtree one way, the verified tokens back). Per iteration:
 
 d: ``testbed.spec.tree_drafter.async_depth`` (``schedule.tree_depth``, or, when 0, as SwiftSpec
 sets it from t_target / t_draft), with t_target = one verification (target forward over bs
-tokens plus both NVLink messages) and t_draft = one expansion forward, both modelled at the
+tokens plus both NVLink messages) and t_draft = one whole expansion (its forward and the rest
+of growing the tree, tree_expand_extra), both modelled at the
 middle of a request, each without the other group's contention (the real backend times them one
 after the other).
 """
@@ -47,7 +48,8 @@ def choose_depth(ctx: SimContext, req: SimRequest, to_target: Link, to_draft: Li
     # each forward alone, as the real backend times them (one after the other, at the start)
     t_target = (cost.tree_forward("target", bs, ref, alone=True) + to_target.transfer_time(BATCH_BYTES_PER_NODE * bs)
                 + to_draft.transfer_time(TOKEN_BYTES * (bs + 1)))
-    t_draft = cost.tree_forward("draft", w, ref, alone=True)
+    # one whole expansion, as TimedTreeDrafter charges it (the real backend times expand())
+    t_draft = cost.tree_forward("draft", w, ref, alone=True) + cost.tree_expand_extra(w)
     return async_depth(tree_depth=s.tree_depth, t_target=t_target, t_draft=t_draft), t_target, t_draft
 
 

@@ -102,7 +102,7 @@ MAX_ASYNC_DEPTH = 64
 def async_depth(*, tree_depth: int, t_target: float, t_draft: float) -> int:
     """``schedule.tree_depth`` when set; when 0, as SwiftSpec sets d: with t_target = one
     verification (target forward over bs tokens plus both link messages) and t_draft = one
-    expansion forward, r = floor(t_target / t_draft) and d = r or r+1, whichever makes the d
+    whole expansion (its forward and growing the tree), r = floor(t_target / t_draft) and d = r or r+1, whichever makes the d
     expansions end closest to the verification (d = floor(t_target / t_draft + 1/2)), at
     least 1 and at most ``MAX_ASYNC_DEPTH``."""
     if tree_depth > 0:
