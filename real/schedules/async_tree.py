@@ -55,7 +55,7 @@ from testbed.spec.sampling import SamplingParams
 from testbed.spec.tree import TreeBatch
 from testbed.spec.tree_drafter import DraftSource, TreeDrafter, TreeKvStats, async_depth
 
-PROBE_REPEATS = 5  # forwards timed per model for d (median, after one warm-up)
+PROBE_REPEATS = 15  # per model for d (median, after one warm-up): 5 swung d by ±3 on this host
 
 
 class StaleTree(RuntimeError):
