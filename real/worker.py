@@ -232,6 +232,17 @@ def failure(rank: int, pl: Placement, e: BaseException) -> tuple[str, str]:
     return "raised", f"{who} raised {type(e).__name__}: {first}"
 
 
+def quiet_tqdm_lock() -> None:
+    """tqdm's default lock is a multiprocessing semaphore (built with the first bar, disabled
+    ones too), which a worker leaving through os._exit never unlinks: the run then ended with a
+    "leaked semaphore objects" warning per worker. A worker's bars are its own: a thread lock."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 def worker_main(rank: int, exp: ExperimentConfig, pl: Placement, fn: Callable[..., Any],
                 args: tuple, store_path: str, cpus: list[int], conn: Any) -> None:
     """Entry of a spawned worker: report ("ok", result) or ("error", class, line) on ``conn``."""
@@ -239,6 +250,7 @@ def worker_main(rank: int, exp: ExperimentConfig, pl: Placement, fn: Callable[..
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which ends us
     die_with_parent()
+    quiet_tqdm_lock()
     code = 0
     try:
         device = place(exp, rank, cpus)

@@ -94,3 +94,12 @@ def sleep_forever(ctx: WorkerContext) -> None:
 def target_never_finishes(ctx: WorkerContext) -> None:
     if ctx.role == "target":
         time.sleep(3600)
+
+
+def progress_bar(ctx: WorkerContext) -> int:
+    """Draws a (disabled) tqdm bar, as real schedules do on every rank."""
+    from tqdm import tqdm
+
+    with tqdm(total=1, disable=True) as bar:
+        bar.update(1)
+    return ctx.rank

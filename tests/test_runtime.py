@@ -201,3 +201,26 @@ def test_ctrl_c_in_the_launcher_ends_every_worker(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+BARS = """
+from tests.conftest import compose_exp
+from real.runtime import launch
+from tests.runtime_workers import progress_bar
+if __name__ == "__main__":
+    exp = compose_exp("hardware=local", "placement.target_gpus=2", "placement.draft_gpus=2")
+    exp.backend = "real"
+    print(sorted(r.value for r in launch(exp, progress_bar, timeout_s=240)))
+"""
+
+
+def test_workers_that_draw_progress_bars_leave_no_semaphore_behind(tmp_path: Path) -> None:
+    """tqdm's default lock is a multiprocessing semaphore that a worker leaving through os._exit
+    never unlinks: the run ended with "leaked semaphore objects" warnings."""
+    script = tmp_path / "bars.py"
+    script.write_text(BARS)
+    r = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[0, 1]"
+    assert "leaked semaphore" not in r.stderr, r.stderr[-2000:]
