@@ -204,7 +204,16 @@ class DraftTree:
 
     def leaves_to_expand(self, w: int) -> list[int]:
         """The w unexpanded nodes of highest priority (ties: lower id), best first."""
-        return [node for _, node in heapq.nsmallest(w, self._frontier)]
+        # the frontier is a heap that drops expanded nodes lazily (when they surface here):
+        # rebuilding it on every expansion cost O(tree) and dominated the simulator's async runs
+        heap, best = self._frontier, []
+        while heap and len(best) < w:
+            entry = heapq.heappop(heap)
+            if self.slots[entry[1]] < 0:
+                best.append(entry)
+        for entry in best:
+            heapq.heappush(heap, entry)
+        return [node for _, node in best]
 
     def positions(self, node_ids: Sequence[int]) -> torch.Tensor:
         """Position ids prefix_len + depth."""
@@ -289,10 +298,8 @@ class DraftTree:
             self.draw_index.extend(range(m))
             self.children[node].extend(ids)
             new.extend(ids)
-        expanded = set(node_ids)
-        self._frontier = [e for e in self._frontier if e[1] not in expanded]
-        self._frontier.extend((-self.priorities[n], n) for n in new)
-        heapq.heapify(self._frontier)
+        for n in new:  # (the expanded nodes' entries leave the heap in leaves_to_expand)
+            heapq.heappush(self._frontier, (-self.priorities[n], n))
         return new
 
     # ---- verification batch ------------------------------------------------------------
