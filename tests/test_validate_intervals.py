@@ -75,3 +75,15 @@ def test_a_one_pass_measurement_gets_the_interval_of_its_mean_over_its_prompts(t
     build_report([tmp_path], tmp_path / "report", figures=False)
     md = (tmp_path / "report" / "report.md").read_text()
     assert "1 of them over prompts only" in md
+
+
+def test_error_stats_give_the_inside_share_per_family() -> None:
+    from testbed.report.sections_validate import error_stats
+
+    val = pd.DataFrame({"family": ["sync", "sync", "sync", "async", "async"],
+                        "metric": ["tokens_per_s"] * 5, "error_pct": [1.0, -2.0, 3.0, -20.0, 15.0],
+                        "inside": [1.0, 1.0, 0.0, 0.0, float("nan")]})
+    stats = error_stats(val, by=("family", "metric")).set_index("family")
+    assert stats.loc["sync", "inside_pct"] == pytest.approx(200 / 3)
+    assert stats.loc["async", "inside_pct"] == 0.0  # the one with an interval was outside
+    assert "inside_pct" not in error_stats(val.drop(columns="inside")).columns

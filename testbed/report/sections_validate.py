@@ -246,12 +246,15 @@ def family(summary: dict) -> str:
 
 
 def error_stats(val: pd.DataFrame, by: tuple[str, ...] = ("metric",)) -> pd.DataFrame:
-    """Per metric (and family): experiments, median, P90 and worst |error|, mean signed error (%)."""
+    """Per metric (and family): experiments, median, P90 and worst |error|, mean signed error (%),
+    and where intervals were measured the share of predictions inside them (%)."""
     g = val.assign(abs_err=val["error_pct"].abs()).groupby(list(by), sort=False)
-    stats = g.agg(experiments=("error_pct", "size"), median_abs_error_pct=("abs_err", "median"),
-                  p90_abs_error_pct=("abs_err", lambda x: float(x.quantile(0.9))),
-                  worst_abs_error_pct=("abs_err", "max"), mean_error_pct=("error_pct", "mean"))
-    return stats.reset_index()
+    aggs = {"experiments": ("error_pct", "size"), "median_abs_error_pct": ("abs_err", "median"),
+            "p90_abs_error_pct": ("abs_err", lambda x: float(x.quantile(0.9))),
+            "worst_abs_error_pct": ("abs_err", "max"), "mean_error_pct": ("error_pct", "mean")}
+    if "inside" in val and val["inside"].notna().any():
+        aggs["inside_pct"] = ("inside", lambda x: 100 * float(x.mean()))  # (NaN: no interval)
+    return g.agg(**aggs).reset_index()
 
 
 def parity_plot(val: pd.DataFrame, path: str) -> None:
