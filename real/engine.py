@@ -98,9 +98,11 @@ def run(exp: ExperimentConfig) -> RunResult:
     from testbed.placement import make_placement
 
     placement = make_placement(exp)
-    if placement.layout == "async" and exp.real.repeats > 1:
-        raise RealSetupError(f"real.repeats={exp.real.repeats} is not supported with schedule=async yet: "
-                             "use real.repeats=1 (or a sync/serial-tree schedule)")
+    if placement.layout in ("async", "pipeline") and exp.real.repeats > 1:
+        # their processes are launched per run: repeat whole runs (each the schedule, then ar)
+        from real.repeats import run_repeated
+
+        return run_repeated(exp, run, schedule_impl(exp))
     if placement.layout == "async":  # two groups, each rank runs its group's half: real/async_run.py
         from real.async_run import run_async
 

@@ -83,3 +83,39 @@ def serve_interleaved(impl: str, repeats: int, baseline: bool,
                                  for s in states if s["changed"]]
     base = recs.get(BASELINE, [None])[0] if baseline else None
     return recs[impl][0], base, fields
+
+
+def run_repeated(exp: Any, run_once: Callable[[Any], Any], impl: str, probe: bool = True) -> Any:
+    """``real.repeats=N`` for runs that launch their own worker processes (`async`, DSD's
+    pipeline): the whole run — the schedule, then its `ar` baseline — N times, so the passes
+    measure A ar A ar … (interleaved, as serve_interleaved). Returns the first pass's result
+    (the run's files) with the summary fields over every pass."""
+    import copy
+
+    once = copy.deepcopy(exp)
+    once.real.repeats = 1
+    buffer = torch.ones(PROBE_FLOATS) if probe else None
+    results, states = [], []
+    for r in range(exp.real.repeats):
+        before = machine_state(buffer)
+        res = run_once(once)
+        after = machine_state(buffer)
+        if not res.extra.get("writer", True):  # torchrun, not rank 0: nothing to summarize
+            return res
+        results.append(res)
+        config = impl if res.baseline is None else f"{impl}+{BASELINE}"
+        states.append({"config": config, "repeat": r, "before": before, "after": after,
+                       "changed": changed(before, after)})
+    measured = {impl: [res.recorder.requests for res in results]}
+    baseline = all(res.baseline is not None for res in results)
+    if baseline:
+        measured[BASELINE] = [res.baseline.requests for res in results]
+    fields = repeat_summary(measured, impl, BASELINE if baseline else None, seed=exp.seed)
+    fields["measure_order"] = [f"{name}#{r}" for r in range(len(results))
+                               for name in ([impl, BASELINE] if baseline else [impl])]
+    fields["machine_states"] = states
+    fields["machine_changed"] = [f"{s['config']}#{s['repeat']}: " + ", ".join(s["changed"])
+                                 for s in states if s["changed"]]
+    first = results[0]
+    first.extra.update(fields)
+    return first

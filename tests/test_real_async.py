@@ -86,6 +86,26 @@ def test_async_on_two_processes_equals_ar_at_temperature_0(tiny_pair) -> None:  
 
 
 @two_cores
+def test_async_repeats_alternate_whole_runs_with_ar_and_give_intervals(tiny_pair) -> None:  # type: ignore[no-untyped-def]
+    """real.repeats=2 under async (processes launched per run): async, ar, async, ar; every pass
+    lossless; the summary carries the intervals over both passes."""
+    from real.engine import run
+
+    res = run(_exp(*tiny_pair, "real.repeats=2"))
+    x = res.extra
+    assert x["repeats"] == 2
+    assert x["measure_order"] == ["async#0", "ar#0", "async#1", "ar#1"]
+    assert [s["config"] for s in x["machine_states"]] == ["async+ar", "async+ar"]
+    for key in ("tokens_per_s_ci95", "tokens_per_s_mean_ci95", "speedup_ci95"):
+        lo, hi = x[key]
+        assert lo <= hi
+    assert len(x["repeat_tokens_per_s"]["async"]) == 2 and len(x["repeat_tokens_per_s"]["ar"]) == 2
+    # the run's files are the first pass's, which is still equal to ar at temperature 0
+    assert [r["output_ids"] for r in res.recorder.requests] == [r["output_ids"] for r in res.baseline.requests]
+    assert live_workers() == []
+
+
+@two_cores
 def test_async_with_the_ngram_draft_equals_ar_on_two_processes(tiny_pair) -> None:  # type: ignore[no-untyped-def]
     """The n-gram draft (no model) grows the tree in the draft group's process."""
     from real.engine import run

@@ -86,6 +86,20 @@ def test_decentralized_equals_single_process_ar_at_temperature_0(tiny_pair, sing
     assert live_workers() == []
 
 
+def test_decentralized_repeats_alternate_whole_runs_with_ar(tiny_pair, single_process_ar) -> None:  # type: ignore[no-untyped-def]
+    """real.repeats=2 under DSD's pipeline (was silently ignored): two whole runs, each the
+    schedule then ar over the pipeline, and intervals over both."""
+    from real.engine import run
+
+    res = run(_exp(*tiny_pair, "schedule=decentralized", "placement.nodes=2", "schedule.gamma=3",
+                   "real.repeats=2"))
+    x = res.extra
+    assert x["repeats"] == 2 and x["measure_order"] == ["decentralized#0", "ar#0", "decentralized#1", "ar#1"]
+    assert len(x["tokens_per_s_mean_ci95"]) == 2 and len(x["speedup_ci95"]) == 2
+    assert [r["output_ids"] for r in res.recorder.requests] == single_process_ar
+    assert live_workers() == []
+
+
 @pytest.mark.slow
 def test_ar_over_the_pipeline_is_the_baseline_schedule(tiny_pair, single_process_ar) -> None:  # type: ignore[no-untyped-def]
     from real.engine import run
