@@ -403,6 +403,7 @@ def test_bundled_pair_async_equals_ar_at_temperature_0() -> None:
 
 
 @pytest.mark.model
+@pytest.mark.slow  # (the default run has the bundled pair's async, and the n-gram draft's on a tiny model)
 @two_cores
 def test_bundled_target_with_the_ngram_draft_async_equals_ar_at_temperature_0() -> None:
     from real.engine import run
