@@ -11,7 +11,10 @@ the ChatML format is used.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +26,11 @@ from real.paths import bundled_gguf_path
 
 # gguf token types (llama.cpp's llama_token_type)
 _CONTROL, _USER_DEFINED = 3, 4
+# A tokenizer built from a .gguf file is kept as tokenizers' JSON under .cache/tokenizers/:
+# reading the 49k-token vocabulary and merges through gguf's reader takes ~3 s, loading the JSON
+# 0.1 s, and every simulated run of a bundled-pair workload counts its prompts' tokens with it.
+# The key is the file's path, size and mtime; bump the version when from_gguf builds otherwise.
+_CACHE_VERSION = 1
 
 # Llama 3's split regex (llama.cpp pre-tokenizer "llama-bpe")
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
@@ -65,14 +73,19 @@ class Tokenizer:
     # ------------------------------------------------------------------------ construction
     @classmethod
     def from_gguf(cls, source) -> Tokenizer:
-        """From a .gguf path or an open ``gguf.GGUFReader``."""
+        """From a .gguf path (through the JSON cache) or an open ``gguf.GGUFReader``."""
         if not hasattr(source, "fields"):
-
             if not Path(source).is_file():
                 raise WeightsNotFound(str(source), "pass an existing .gguf file")
+            cache = _cache_file(Path(source))
+            cached = cls._from_cache(cache)
+            if cached is not None:
+                return cached
             from real.weights import open_gguf
 
-            source = open_gguf(source)
+            tok = cls.from_gguf(open_gguf(source))
+            tok._to_cache(cache)
+            return tok
         fields = source.fields
 
         def get(key: str, default=None):
@@ -99,6 +112,31 @@ class Tokenizer:
                    bos_token_id=get("tokenizer.ggml.bos_token_id"),
                    add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
                    chat_template=get("tokenizer.chat_template"))
+
+    @classmethod
+    def _from_cache(cls, cache: Path) -> Tokenizer | None:
+        try:
+            d = json.loads(cache.read_text())
+            return cls(BackendTokenizer.from_str(d["tokenizer"]), d["eos_token_ids"],
+                       bos_token_id=d["bos_token_id"], add_bos=d["add_bos"],
+                       chat_template=d["chat_template"])
+        except Exception:  # noqa: BLE001 — absent or damaged (tokenizers raises its own kind):
+            return None  # built again from the .gguf
+
+    def _to_cache(self, cache: Path) -> None:
+        d = {"tokenizer": self.backend.to_str(), "eos_token_ids": self.eos_token_ids,
+             "bos_token_id": self.bos_token_id, "add_bos": self.add_bos,
+             "chat_template": self.chat_template}
+        tmp = None
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.name}.", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(d, f)
+            os.replace(tmp, cache)  # whole or not at all: parallel workers may write it at once
+        except OSError:  # a read-only checkout: no cache, the next load reads the .gguf again
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -174,6 +212,14 @@ def render_chat_template(template: str, messages: Sequence[Message], add_generat
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template).render(messages=list(messages),
                                             add_generation_prompt=add_generation_prompt, **special)
+
+
+def _cache_file(gguf: Path) -> Path:
+    from testbed.paths import repo_path
+
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_CACHE_VERSION}".encode())
+    return repo_path(".cache/tokenizers") / f"{gguf.stem}-{key.hexdigest()[:16]}.json"
 
 
 @functools.cache

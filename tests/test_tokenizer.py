@@ -78,3 +78,52 @@ def test_from_dir_equals_from_gguf(tmp_path) -> None:
 def test_chatml_fallback_renders_without_a_template() -> None:
     text = render_chat_template(CHATML, CHATS[0], add_generation_prompt=True)
     assert text == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_gguf_tokenizer_is_cached_as_json_and_rebuilt_when_the_file_changes(tmp_path, monkeypatch) -> None:
+    """from_gguf keeps the built tokenizer as JSON (reading the vocabulary through gguf takes
+    seconds): a second load does not open the .gguf and tokenizes identically; a damaged cache
+    is rebuilt; a changed file gets another key."""
+    import os
+    import shutil
+
+    import real.tokenizer as rt
+    import real.weights
+    from real.paths import bundled_gguf_path
+
+    gguf = tmp_path / "model.gguf"
+    shutil.copyfile(bundled_gguf_path(), gguf)
+    monkeypatch.setattr(rt, "_cache_file", lambda p: tmp_path / f"{p.stem}-{p.stat().st_mtime_ns}.json")
+    built = Tokenizer.from_gguf(gguf)
+    cache = rt._cache_file(gguf)
+    assert cache.is_file()
+
+    opened = []
+    real_open = real.weights.open_gguf
+    monkeypatch.setattr(real.weights, "open_gguf", lambda p: opened.append(p) or real_open(p))
+    again = Tokenizer.from_gguf(gguf)
+    assert opened == []  # from the cache
+    for text in TEXTS:
+        assert again.encode(text) == built.encode(text)
+    assert (again.eos_token_ids, again.bos_token_id, again.add_bos, again.chat_template) == \
+        (built.eos_token_ids, built.bos_token_id, built.add_bos, built.chat_template)
+
+    cache.write_text('{"tokenizer": "not a tokenizer"')  # damaged
+    assert Tokenizer.from_gguf(gguf).encode(TEXTS[0]) == built.encode(TEXTS[0]) and len(opened) == 1
+    os.utime(gguf, ns=(1, 1))  # another file at the same path
+    assert rt._cache_file(gguf) != cache
+    Tokenizer.from_gguf(gguf)
+    assert len(opened) == 2
+
+
+def test_the_cache_key_follows_path_size_and_mtime(tmp_path) -> None:
+    import os
+
+    from real.tokenizer import _cache_file
+
+    f = tmp_path / "a.gguf"
+    f.write_bytes(b"x")
+    key = _cache_file(f)
+    assert _cache_file(f) == key and key.name.startswith("a-")
+    os.utime(f, ns=(5, 5))
+    assert _cache_file(f) != key
