@@ -57,6 +57,22 @@ def changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return out
 
 
+def _measured(buffer: torch.Tensor | None, config: str, repeat: int, fn: Callable[[], Any]
+              ) -> tuple[Any, dict[str, Any]]:
+    """``fn()`` and the machine's state around it."""
+    before = machine_state(buffer)
+    out = fn()
+    after = machine_state(buffer)
+    return out, {"config": config, "repeat": repeat, "before": before, "after": after,
+                 "changed": changed(before, after)}
+
+
+def _order_fields(order: list[str], states: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"measure_order": order, "machine_states": states,
+            "machine_changed": [f"{s['config']}#{s['repeat']}: " + ", ".join(s["changed"])
+                                for s in states if s["changed"]]}
+
+
 def serve_interleaved(impl: str, repeats: int, baseline: bool,
                       measure: Callable[[str, dict | None], RunRecorder],
                       schedule_extra: dict, seed: int = 0, probe: bool = True
@@ -69,18 +85,13 @@ def serve_interleaved(impl: str, repeats: int, baseline: bool,
     recs: dict[str, list[RunRecorder]] = {}
     states = []
     for name, r in order:
-        before = machine_state(buffer)
-        rec = measure(name, schedule_extra if (name != BASELINE and r == 0) else None)
-        after = machine_state(buffer)
+        extra = schedule_extra if (name != BASELINE and r == 0) else None
+        rec, state = _measured(buffer, name, r, lambda name=name, extra=extra: measure(name, extra))
         recs.setdefault(name, []).append(rec)
-        states.append({"config": name, "repeat": r, "before": before, "after": after,
-                       "changed": changed(before, after)})
+        states.append(state)
     fields = repeat_summary({n: [x.requests for x in rs] for n, rs in recs.items()}, impl,
                             BASELINE if baseline else None, seed=seed)
-    fields["measure_order"] = [f"{n}#{r}" for n, r in order]
-    fields["machine_states"] = states
-    fields["machine_changed"] = [f"{s['config']}#{s['repeat']}: " + ", ".join(s["changed"])
-                                 for s in states if s["changed"]]
+    fields.update(_order_fields([f"{n}#{r}" for n, r in order], states))
     base = recs.get(BASELINE, [None])[0] if baseline else None
     return recs[impl][0], base, fields
 
@@ -97,25 +108,19 @@ def run_repeated(exp: Any, run_once: Callable[[Any], Any], impl: str, probe: boo
     buffer = torch.ones(PROBE_FLOATS) if probe else None
     results, states = [], []
     for r in range(exp.real.repeats):
-        before = machine_state(buffer)
-        res = run_once(once)
-        after = machine_state(buffer)
+        res, state = _measured(buffer, impl, r, lambda: run_once(once))
         if not res.extra.get("writer", True):  # torchrun, not rank 0: nothing to summarize
             return res
+        if res.baseline is not None:
+            state["config"] = f"{impl}+{BASELINE}"
         results.append(res)
-        config = impl if res.baseline is None else f"{impl}+{BASELINE}"
-        states.append({"config": config, "repeat": r, "before": before, "after": after,
-                       "changed": changed(before, after)})
-    measured = {impl: [res.recorder.requests for res in results]}
+        states.append(state)
     baseline = all(res.baseline is not None for res in results)
+    measured = {impl: [res.recorder.requests for res in results]}
     if baseline:
         measured[BASELINE] = [res.baseline.requests for res in results]
     fields = repeat_summary(measured, impl, BASELINE if baseline else None, seed=exp.seed)
-    fields["measure_order"] = [f"{name}#{r}" for r in range(len(results))
-                               for name in ([impl, BASELINE] if baseline else [impl])]
-    fields["machine_states"] = states
-    fields["machine_changed"] = [f"{s['config']}#{s['repeat']}: " + ", ".join(s["changed"])
-                                 for s in states if s["changed"]]
-    first = results[0]
-    first.extra.update(fields)
-    return first
+    names = [impl, BASELINE] if baseline else [impl]
+    fields.update(_order_fields([f"{n}#{r}" for r in range(len(results)) for n in names], states))
+    results[0].extra.update(fields)
+    return results[0]

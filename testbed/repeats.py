@@ -48,6 +48,11 @@ def per_request(requests: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
     return {"tokens_per_s": tps, "tpot_ms": tpot}
 
 
+def _pass_grid(passes: Sequence[Sequence[dict[str, Any]]], metric: str) -> np.ndarray:
+    """[prompts, passes] of one metric per request."""
+    return np.array([per_request(reqs)[metric] for reqs in passes], dtype=float).T
+
+
 def mean_fields(passes: Sequence[Sequence[dict[str, Any]]], seed: int = 0) -> dict[str, Any]:
     """``<metric>_mean`` and ``<metric>_mean_ci95`` for tokens/s and TPOT: the headline statistic
     (the mean over requests, testbed.metrics.summarize) over prompts × passes, with its 95%
@@ -55,7 +60,7 @@ def mean_fields(passes: Sequence[Sequence[dict[str, Any]]], seed: int = 0) -> di
     (one pass: the interval covers which prompts were drawn, not the machine's run-to-run noise)."""
     out: dict[str, Any] = {}
     for metric in ("tokens_per_s", "tpot_ms"):
-        grid = np.array([per_request(reqs)[metric] for reqs in passes], dtype=float).T
+        grid = _pass_grid(passes, metric)
         if grid.size == 0 or not np.isfinite(grid).any():
             continue
         iv = mean_ci(grid, seed=seed)
@@ -69,7 +74,7 @@ def repeat_summary(measured: dict[str, list[Sequence[dict[str, Any]]]], config: 
     """Summary fields from every measurement: ``measured[name][repeat]`` is that measurement's
     request records (the same prompts, in the same order, every time)."""
     def grid(name: str, metric: str) -> np.ndarray:  # [prompts, repeats]
-        return np.array([per_request(reqs)[metric] for reqs in measured[name]], dtype=float).T
+        return _pass_grid(measured[name], metric)
 
     out: dict[str, Any] = {"repeats": len(measured[config]), **mean_fields(measured[config], seed)}
     for metric in ("tokens_per_s", "tpot_ms"):
