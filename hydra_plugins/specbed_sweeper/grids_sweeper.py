@@ -35,6 +35,10 @@ from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+
+from testbed.sweep_configs import GroupCachedConfigLoader
 
 BASE = "base"
 # set by `python -m testbed` when its pre-run check covered every job of every grid
@@ -59,6 +63,15 @@ class GridsSweeper(BasicSweeper):
         if unknown:
             raise ValueError(f"hydra.sweeper.only={self.only}: no grid named {', '.join(unknown)} "
                              f"(grids: {', '.join([BASE, *self.grids])})")
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        """The basic sweeper's setup, with a config loader that composes each job's group choices
+        once (testbed.sweep_configs.GroupCachedConfigLoader: the launcher, any launcher, gets it too)."""
+        loader = hydra_context.config_loader
+        if isinstance(loader, ConfigLoaderImpl) and not isinstance(loader, GroupCachedConfigLoader):
+            hydra_context = HydraContext(config_loader=GroupCachedConfigLoader(loader),
+                                         callbacks=hydra_context.callbacks)
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
         """Every grid's jobs (the basic sweeper's product each), duplicates dropped, in batches."""
