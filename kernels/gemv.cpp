@@ -24,6 +24,7 @@
 //     (partial sums, prefetch distance) on an AVX2-only AMD EPYC.
 //   - anything else: scalar loops that the compiler vectorises (`omp simd`), one token at a time.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,6 +42,26 @@
 namespace {
 
 constexpr int kMaxT = 8;
+
+// Scratch buffers of the layer kernels: 64-byte aligned (a cache line; the weights, PyTorch
+// tensors, are too) and kept across calls, per thread and use. They were std::vectors, which
+// glibc aligns to 16 bytes only: whether a call's activations happened to start on a cache line
+// decided whether the x loads of dot_row split lines, and a 4-8-token forward of SmolLM2-135M
+// took 25 / 37 ms instead of 13 / 22 ms (4 / 8 tokens, AVX2 host; 1 token unaffected) -- by
+// heap history, so timings flipped between the two levels within one process and differed
+// between processes. Every user writes the whole range it reads.
+enum ScratchUse { kXin, kQkv, kAtt, kAct, kGate, kUp, kExp, kProbs, kPart, kPrep, kScratchUses };
+constexpr uintptr_t kLine = 64;
+
+template <typename V>
+V* scratch(ScratchUse use, long n) {
+    thread_local std::vector<char> bufs[kScratchUses];
+    std::vector<char>& b = bufs[use];
+    const size_t bytes = static_cast<size_t>(n) * sizeof(V) + kLine;
+    if (b.size() < bytes) b.resize(bytes);
+    const uintptr_t p = reinterpret_cast<uintptr_t>(b.data());
+    return reinterpret_cast<V*>((p + kLine - 1) & ~(kLine - 1));
+}
 
 inline float bf16_to_f32(uint16_t v) {
     uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -367,7 +388,9 @@ void linear_t(const float* xf, long xs, const W* w, const A* res, A* y, long N, 
 // w = [gate (F rows); up (F rows)], y[t][j] = silu(gate_j . x_t) * (up_j . x_t).
 template <typename W, typename A, int T>
 void swiglu_t(const float* xf, long xs, const W* w, A* y, long F, long K, int threads) {
-    std::vector<float> gate(T * F), up(T * F), e(T * F);  // [T, F] each
+    float* gate = scratch<float>(kGate, T * F);  // [T, F] each
+    float* up = scratch<float>(kUp, T * F);
+    float* e = scratch<float>(kExp, T * F);
 #pragma omp parallel for schedule(static) num_threads(threads) \
     if (threads > 1 && 2 * F * K * static_cast<long>(sizeof(W)) >= kParallelMinBytes)
     for (long j = 0; j < F; ++j) {
@@ -380,7 +403,7 @@ void swiglu_t(const float* xf, long xs, const W* w, A* y, long F, long K, int th
             up[t * F + j] = u[t];
         }
     }
-    exp_inplace(e.data(), T * F);
+    exp_inplace(e, T * F);
     for (long i = 0; i < T * F; ++i) store_act(y, i, gate[i] / (1.f + e[i]) * up[i]);  // silu(g) * u
 }
 
@@ -389,28 +412,29 @@ void swiglu_t(const float* xf, long xs, const W* w, A* y, long F, long K, int th
 // then the 16 (8) odd ones (matching the shuffle-free widening of the weights), zero-padded to
 // a multiple of the chunk; otherwise plain fp32.
 template <typename A>
-long prepare_input(const A* x, long T, long K, std::vector<float>& buf, const float** xf) {
+long prepare_input(const A* x, long T, long K, const float** xf) {
     if constexpr (sizeof(A) == 4) {
         *xf = reinterpret_cast<const float*>(x);
         return K;
     } else {
 #if defined(__AVX512BF16__)
-        (void)T; (void)buf;
+        (void)T;
         *xf = reinterpret_cast<const float*>(x);  // dot_block reads the bf16 pairs directly
         return K;
 #elif defined(SB_AVX512) || defined(SB_AVX2)
         constexpr long C = kBf16Chunk;
         const long kp = (K + C - 1) / C * C;
-        buf.assign(T * kp, 0.f);
+        float* buf = scratch<float>(kPrep, T * kp);
+        std::fill(buf, buf + T * kp, 0.f);
         for (long t = 0; t < T; ++t)
             for (long k = 0; k < K; ++k)
                 buf[t * kp + (k / C) * C + (k % 2) * (C / 2) + (k % C) / 2] = bf16_to_f32(x[t * K + k]);
-        *xf = buf.data();
+        *xf = buf;
         return kp;
 #else
-        buf.resize(T * K);
+        float* buf = scratch<float>(kPrep, T * K);
         for (long i = 0; i < T * K; ++i) buf[i] = bf16_to_f32(x[i]);
-        *xf = buf.data();
+        *xf = buf;
         return K;
 #endif
     }
@@ -431,9 +455,8 @@ long prepare_input(const A* x, long T, long K, std::vector<float>& buf, const fl
 template <typename W, typename A>
 int linear_any(const void* x, const void* w, const void* res, void* y, long T, long N, long K, int threads) {
     if (T < 1 || T > kMaxT) return 1;
-    std::vector<float> buf;
     const float* xf = nullptr;
-    const long xs = prepare_input(static_cast<const A*>(x), T, K, buf, &xf);
+    const long xs = prepare_input(static_cast<const A*>(x), T, K, &xf);
     const W* wp = static_cast<const W*>(w);
     const A* rp = static_cast<const A*>(res);
     A* yp = static_cast<A*>(y);
@@ -446,9 +469,8 @@ int linear_any(const void* x, const void* w, const void* res, void* y, long T, l
 template <typename W, typename A>
 int swiglu_any(const void* x, const void* w, void* y, long T, long F, long K, int threads) {
     if (T < 1 || T > kMaxT) return 1;
-    std::vector<float> buf;
     const float* xf = nullptr;
-    const long xs = prepare_input(static_cast<const A*>(x), T, K, buf, &xf);
+    const long xs = prepare_input(static_cast<const A*>(x), T, K, &xf);
     const W* wp = static_cast<const W*>(w);
     A* yp = static_cast<A*>(y);
 #define SB_SWIGLU(TT) swiglu_t<W, A, TT>(xf, xs, wp, yp, F, K, threads)
@@ -505,9 +527,9 @@ int project_add(const AllReduce& ar, const float* xf, long xs, const W* w, float
         linear_t<W, float, T>(xf, xs, w, h, h, N, K, threads);
         return 0;
     }
-    std::vector<float> part(T * N);
-    linear_t<W, float, T>(xf, xs, w, nullptr, part.data(), N, K, threads);
-    if (const int rc = ar.fn(part.data(), T * N, ar.ctx)) return rc;
+    float* part = scratch<float>(kPart, T * N);
+    linear_t<W, float, T>(xf, xs, w, nullptr, part, N, K, threads);
+    if (const int rc = ar.fn(part, T * N, ar.ctx)) return rc;
     for (long i = 0; i < T * N; ++i) h[i] += part[i];
     return 0;
 }
@@ -652,11 +674,11 @@ void attend(const LayerDims& dm, const float* q, const C* kc, const C* vc, const
             const uint8_t* mask, long S, long T, float* out, int threads) {
     const long hkv = dm.n_kv_heads, d = dm.head_dim, rows = dm.n_heads / hkv * T;
     (void)threads;  // single-threaded: small next to the GEMVs (see kParallelMinBytes)
-    std::vector<float> probs(hkv * rows * S);
+    float* probs = scratch<float>(kProbs, hkv * rows * S);
     for (long g = 0; g < hkv; ++g) {
         const C* kh = kc + g * dm.max_seq * d;
         const C* vh = vc + g * dm.max_seq * d;
-        float* p = probs.data() + g * rows * S;
+        float* p = probs + g * rows * S;
         if (d == 64) attend_group<C, 64>(dm, q, kh, vh, slots, mask, S, T, g, p, out);
         else if (d == 128) attend_group<C, 128>(dm, q, kh, vh, slots, mask, S, T, g, p, out);
         else attend_group<C, 0>(dm, q, kh, vh, slots, mask, S, T, g, p, out);
@@ -668,17 +690,18 @@ int layer_t(const LayerDims& dm, const LayerPtrs& L, const AllReduce& ar, float*
             const float* cos, const float* sin, const uint8_t* mask, long S, int threads) {
     const long dim = dm.dim, hq = dm.n_heads, hkv = dm.n_kv_heads, d = dm.head_dim, F = dm.ffn_dim;
     const long nqkv = (hq + 2 * hkv) * d;
-    std::vector<W> xin(T * (F > dim ? (F > hq * d ? F : hq * d) : (dim > hq * d ? dim : hq * d)));
-    std::vector<float> qkv(T * nqkv), att(T * hq * d), buf;
+    W* xin = scratch<W>(kXin, T * (F > dim ? (F > hq * d ? F : hq * d) : (dim > hq * d ? dim : hq * d)));
+    float* qkv = scratch<float>(kQkv, T * nqkv);
+    float* att = scratch<float>(kAtt, T * hq * d);
     const float* xf = nullptr;
     long xs;
 
     // attention block
-    rms_norm_rows<W>(h, static_cast<const W*>(L.attn_norm), xin.data(), T, dim, dm.eps);
-    xs = prepare_input<W>(xin.data(), T, dim, buf, &xf);
-    linear_t<W, float, T>(xf, xs, static_cast<const W*>(L.wqkv), nullptr, qkv.data(), nqkv, dim, threads);
+    rms_norm_rows<W>(h, static_cast<const W*>(L.attn_norm), xin, T, dim, dm.eps);
+    xs = prepare_input<W>(xin, T, dim, &xf);
+    linear_t<W, float, T>(xf, xs, static_cast<const W*>(L.wqkv), nullptr, qkv, nqkv, dim, threads);
     for (long t = 0; t < T; ++t) {
-        float* row = qkv.data() + t * nqkv;
+        float* row = qkv + t * nqkv;
         if constexpr (sizeof(W) == 2)  // the op-by-op path rounds the projection to bf16
             for (long i = 0; i < nqkv; ++i) row[i] = bf16_to_f32(f32_to_bf16(row[i]));
         for (long hd = 0; hd < hq + hkv; ++hd) rope_head(row + hd * d, cos + t * d, sin + t * d, d);
@@ -689,22 +712,22 @@ int layer_t(const LayerDims& dm, const LayerPtrs& L, const AllReduce& ar, float*
         }
     }
     if (dm.cache_dtype == 0)
-        attend<float>(dm, qkv.data(), static_cast<const float*>(L.k_cache),
-                      static_cast<const float*>(L.v_cache), slots, mask, S, T, att.data(), threads);
+        attend<float>(dm, qkv, static_cast<const float*>(L.k_cache),
+                      static_cast<const float*>(L.v_cache), slots, mask, S, T, att, threads);
     else
-        attend<uint16_t>(dm, qkv.data(), static_cast<const uint16_t*>(L.k_cache),
-                         static_cast<const uint16_t*>(L.v_cache), slots, mask, S, T, att.data(), threads);
-    for (long i = 0; i < T * hq * d; ++i) store_act(xin.data(), i, att[i]);
-    xs = prepare_input<W>(xin.data(), T, hq * d, buf, &xf);
+        attend<uint16_t>(dm, qkv, static_cast<const uint16_t*>(L.k_cache),
+                         static_cast<const uint16_t*>(L.v_cache), slots, mask, S, T, att, threads);
+    for (long i = 0; i < T * hq * d; ++i) store_act(xin, i, att[i]);
+    xs = prepare_input<W>(xin, T, hq * d, &xf);
     if (const int rc = project_add<W, T>(ar, xf, xs, static_cast<const W*>(L.wo), h, dim, hq * d, threads))
         return rc;
 
     // MLP block
-    rms_norm_rows<W>(h, static_cast<const W*>(L.ffn_norm), xin.data(), T, dim, dm.eps);
-    xs = prepare_input<W>(xin.data(), T, dim, buf, &xf);
-    std::vector<W> act(T * F);
-    swiglu_t<W, W, T>(xf, xs, static_cast<const W*>(L.w13), act.data(), F, dim, threads);
-    xs = prepare_input<W>(act.data(), T, F, buf, &xf);
+    rms_norm_rows<W>(h, static_cast<const W*>(L.ffn_norm), xin, T, dim, dm.eps);
+    xs = prepare_input<W>(xin, T, dim, &xf);
+    W* act = scratch<W>(kAct, T * F);
+    swiglu_t<W, W, T>(xf, xs, static_cast<const W*>(L.w13), act, F, dim, threads);
+    xs = prepare_input<W>(act, T, F, &xf);
     return project_add<W, T>(ar, xf, xs, static_cast<const W*>(L.w2), h, dim, F, threads);
 }
 

@@ -122,3 +122,15 @@ def test_fused_path_is_taken_and_leaves_input_alone() -> None:
     finally:
         kernels.reset()
     assert kernels.decode_layers is native.decode_layers
+
+
+def test_scratch_buffers_reused_across_models_and_token_counts() -> None:
+    # the layer kernels keep their (cache-line aligned) scratch buffers across calls: a call
+    # after one with more tokens, or with a model of other sizes, must read none of the leftovers
+    small = Transformer(ARGS).init_random(2, std=0.1).eval()
+    wide = Transformer(ModelArgs(dim=96, n_layers=2, n_heads=6, n_kv_heads=3, ffn_dim=160,
+                                 vocab_size=97, max_seq_len=64)).init_random(3, std=0.1).eval()
+    steps = {n: [lambda m, n=n: m(torch.arange(1, n + 1)[None], 0)] for n in (1, 3, 5, 8)}
+    for model, n in [(wide, 8), (small, 3), (wide, 5), (small, 8), (small, 1), (wide, 3)]:
+        for ref, got in run_both(model, steps[n]):
+            torch.testing.assert_close(got, ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
