@@ -263,3 +263,28 @@ def test_report_table1_picks_static_opt_per_backend() -> None:
     wide = table1(frame)
     assert list(wide.policy[:2]) == ["static γ=1", "static γ=2"] and "tpot_ms (sim)" in wide.columns
     assert set(frame.target_fw_per_token) == {0.5} and set(frame.draft_fw_per_token) == {1.5}
+
+
+@pytest.mark.parametrize("vocab", [49152, 640 * 4, 1000, 97, 5])
+def test_draft_token_features_equal_the_softmax_definitions(vocab: int) -> None:
+    # the one-exp-pass features (blocked top-k, entropy from the same terms) against their
+    # definitions: top-k of softmax(x), -sum p log p, p[token]; masked (-inf) logits and ties too
+    from testbed.spec.lookahead import ENTROPY, TOP_K, draft_token_features
+
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(12):
+        x = torch.randn(vocab, generator=gen) * (0.2 + trial)
+        if trial % 3 == 0:
+            x[torch.randint(vocab, (vocab // 3,), generator=gen)] = float("-inf")
+        if trial % 4 == 1:
+            x[torch.randint(vocab, (4,), generator=gen)] = x.max() + 1.0  # tied top values
+        token = int(torch.randint(vocab, (1,), generator=gen))
+        logp = torch.log_softmax(x, dim=-1)
+        p = logp.exp()
+        top = torch.topk(p, min(TOP_K, vocab)).values.tolist()
+        want = [*top, *[0.0] * (TOP_K - len(top)), float(-(p * logp).nan_to_num().sum()), float(p[token])]
+        got = draft_token_features(x, token)
+        assert len(got) == FEATURES
+        np.testing.assert_allclose(got[:ENTROPY], want[:ENTROPY], rtol=1e-5, atol=1e-7)
+        assert got[ENTROPY] == pytest.approx(want[ENTROPY], rel=1e-4, abs=1e-5)
+        assert got[CHOSEN] == pytest.approx(want[CHOSEN], rel=1e-5, abs=1e-8)
