@@ -8,10 +8,11 @@ work for every one of simulation). Jobs that differ only in plain values (`sched
 values: this loader composes the group choices once, and for each job applies its values to a
 copy (~4 ms) and sets what Hydra derives from a job's overrides (`hydra.overrides.task`,
 `hydra.job.override_dirname`). A job with a Hydra override, an addition or a deletion is
-composed by Hydra itself. `tests/test_sweep_job_configs.py` holds every job of the bundled
-sweeps to Hydra's own composition.
+composed by Hydra itself. `tests/test_sweep_job_configs.py` holds jobs of every bundled sweep
+to Hydra's own composition.
 
-GridsSweeper (hydra_plugins/specbed_sweeper) installs it for every launcher. The cache lives in
+GridsSweeper (hydra_plugins/specbed_sweeper) installs it for every launcher and checks its jobs
+with it. The cache lives in
 the process, in this module: a joblib worker keeps it across its jobs (the loader itself travels
 pickled with every job, and Hydra's plugin scan re-executes the modules of ``hydra_plugins`` in
 every job, so it cannot live there); ``sweep_id`` keys it to one sweep, so two sweeps in one
@@ -30,7 +31,7 @@ from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 
 _compositions: dict[tuple[Any, ...], DictConfig] = {}  # (sweep id, config, group choices) -> cfg
-MAX_CACHED = 64  # compositions kept per process (a composed config is ~1 MB of Python objects)
+MAX_CACHED = 64  # compositions kept per process (a sweep has few sets of group choices)
 
 
 class GroupCachedConfigLoader(ConfigLoaderImpl):
@@ -43,8 +44,9 @@ class GroupCachedConfigLoader(ConfigLoaderImpl):
 
     def load_sweep_config(self, master_config: DictConfig, sweep_overrides: list[str]) -> DictConfig:
         parsed = OverridesParser.create(config_loader=self).parse_overrides(list(sweep_overrides))
-        groups = [o for o in parsed if self._is_group_choice(o)]
-        values = [o for o in parsed if not self._is_group_choice(o)]
+        is_group = [self._is_group_choice(o) for o in parsed]
+        groups = [o for o, g in zip(parsed, is_group) if g]
+        values = [o for o, g in zip(parsed, is_group) if not g]
         if any(o.is_hydra_override() or o.is_sweep_override() for o in parsed) or any(
                 o.is_add() or o.is_force_add() or o.is_delete() for o in values):
             return super().load_sweep_config(master_config, sweep_overrides)

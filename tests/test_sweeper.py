@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
@@ -54,7 +55,7 @@ def test_the_sweeper_is_installed_with_the_package(tmp_path) -> None:  # type: i
     assert out.returncode == 0, out.stderr[-500:]
 
 
-def test_up_front_check_composes_once_per_group_choice_and_still_rejects_bad_values() -> None:
+def test_up_front_check_composes_once_per_group_choice_and_still_rejects_bad_values(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -72,8 +73,9 @@ def test_up_front_check_composes_once_per_group_choice_and_still_rejects_bad_val
 
     sweeper.hydra_context = Ctx()  # type: ignore[assignment]
     calls = []
-    real = loader.load_sweep_config
-    loader.load_sweep_config = lambda c, o: calls.append(o) or real(c, o)  # type: ignore[method-assign]
+    real = ConfigLoaderImpl.load_sweep_config  # Hydra's composition, under the sweeper's cache
+    monkeypatch.setattr(ConfigLoaderImpl, "load_sweep_config",
+                        lambda self, c, o: calls.append(o) or real(self, c, o))
     jobs = [[f"network.latency_ms={lat}", f"+split={s}"] for s in ("t1", "t2") for lat in (0, 5, 20)]
     sweeper.validate_batch_is_legal(jobs)
     assert len(calls) == 2  # one composition per +split choice, not six

@@ -26,7 +26,6 @@ there only (conf/hydra/sweeper/grids.yaml selects it).
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -98,25 +97,15 @@ class GridsSweeper(BasicSweeper):
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         """Compose each distinct set of group choices once; check the value overrides on copies
-        (what Hydra's own check does, composing every job: see the module docstring)."""
+        (what Hydra's own check does, composing every job: see the module docstring). The
+        compositions are the launcher's own (GroupCachedConfigLoader), so its jobs reuse them."""
         if os.environ.get(CHECKED_ENV) == "1":
             return  # `python -m testbed`'s pre-run check has composed and validated every job
             # of every grid that runs (testbed/preflight.py: _grids)
         loader = self.hydra_context.config_loader if self.hydra_context is not None else None
         if not isinstance(loader, ConfigLoaderImpl) or self.config is None:
             return super().validate_batch_is_legal(batch)
-        parser = OverridesParser.create(config_loader=loader)
-        composed: dict[tuple[str, ...], Any] = {}
+        if not isinstance(loader, GroupCachedConfigLoader):
+            loader = GroupCachedConfigLoader(loader)
         for job in batch:
-            parsed = parser.parse_overrides(list(job))
-            groups = tuple(o.input_line or "" for o in parsed if _is_group_choice(o, loader))
-            values = [o for o in parsed if not _is_group_choice(o, loader)]
-            if groups not in composed or any(o.is_add() or o.is_delete() or o.is_force_add()
-                                             for o in values):
-                composed[groups] = loader.load_sweep_config(self.config, list(job))
-                continue
-            ConfigLoaderImpl._apply_overrides_to_config(values, copy.deepcopy(composed[groups]))
-
-
-def _is_group_choice(override: Override, loader: ConfigLoaderImpl) -> bool:
-    return override.package is not None or loader.repository.group_exists(override.key_or_group)
+            loader.load_sweep_config(self.config, list(job))
