@@ -23,7 +23,11 @@ stays the main table's (and follows ``profile_rescale``), the TP tables say how 
 and a shape change it (both measured side by side, so the machine's drift cancels). The ratio
 is read at (k, context) clamped to the TP grid. An early-exit draft uses the target's ratios,
 an n-gram draft none. Profiles of schema 1 (no TP tables) serve TP 1 (both shapes as chains);
-a run at TP > 1 on one fails with one line asking to recalibrate.
+a run at TP > 1 on one fails with one line asking to recalibrate. A transformer draft's
+tree-shaped forward is the exception (sim/profile_tables.TreeDraftForward): the main table
+times its chain step, whose LM head projects the last token only, while a tree expansion needs
+every node's logits, so its shape in k comes from the TP tree table (every row's logits) from
+one token on, at the main table's one-token level.
 
 Sampling mode (real/calibrate_sampling.py): the forward tables include standardizing at their
 temperature class (argmax; a T=1 softmax). A run with top-k and/or top-p also pays, per draft
@@ -54,6 +58,7 @@ from sim.profile_tables import (
     ShapeFactor,
     Table1D,
     Table2D,
+    TreeDraftForward,
     interp1,
     load_profile,
     sampling_extra,
@@ -102,6 +107,7 @@ class ProfileCost(CostModel):
         self._tree_expand: Table1D | None = None  # a draft tree expansion beyond its forward
         self.degree = tp_degrees(exp)
         self._factor: dict[str, ShapeFactor | None] = {}
+        self._tree_draft: TreeDraftForward | None = None  # a transformer draft's tree forward
         # async: the groups run concurrently; factor against k with the other group busy
         self._contended: dict[str, tuple[list[float], list[float]]] = {}
         self.concurrent = exp.schedule.name == "async"
@@ -193,6 +199,9 @@ class ProfileCost(CostModel):
                 mode, CALIBRATE_CMD)
         self.sampling_extra_s[role] = extra or 0.0
         self._factor[role] = self._bind_tp(role, m)
+        forward = self._forward[role]
+        if role == "draft" and m.get("kind") == "transformer" and m.get("tp") and isinstance(forward, Table2D):
+            self._tree_draft = TreeDraftForward(forward, m["tp"], self.degree[role])
         other = self.names["draft" if role == "target" else "target"]
         c = m.get("contended", {}).get(other)
         if self.concurrent and c:
@@ -316,6 +325,10 @@ class ProfileCost(CostModel):
         table = self._forward[role]
         if isinstance(table, Table1D):  # n-gram lookup: one per round, spread over γ calls
             t = table(context) / self.gamma
+        elif role == "draft" and shape == "tree" and self._tree_draft is not None:
+            t = self._tree_draft(tokens, context)  # every node's logits (TreeDraftForward)
+            if not alone:
+                t *= self.contention_factor(role, tokens)
         else:
             t = table(tokens, context)
             factor = self._factor.get(role)

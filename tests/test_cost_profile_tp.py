@@ -80,6 +80,27 @@ def test_tp2_scales_by_the_degrees_ratio_per_shape() -> None:
     assert c.prefill("target", 256) < tree_cost(1, profile_with_tp()).prefill("target", 256)
 
 
+def test_a_transformer_drafts_tree_forward_pays_every_nodes_logits() -> None:
+    # The main table times a chain step (the LM head over the last token only); a tree expansion
+    # needs the logits of all k nodes. The draft's tree forward is the TP tables' tree shape from
+    # one token on (every row's logits), at the main table's one-token level: growing in k as the
+    # tree table does, not as the (flatter) main table does.
+    for tp in (1, 2):
+        c = tree_cost(tp, profile_with_tp())
+        main = c._forward["draft"]
+        for k, ctx in ((1, 64), (4, 64), (16, 512)):
+            want = main(1, ctx) * at(TABLES[str(tp)]["tree"], k, ctx) / at(TABLES["1"]["chain"], 1, ctx)
+            assert c.tree_forward("draft", k, ctx) == pytest.approx(want, rel=1e-9)
+        growth_tree = c.tree_forward("draft", 16, 64) / c.tree_forward("draft", 1, 64)
+        growth_main = main(16, 64) / main(1, 64)
+        assert growth_tree == pytest.approx(at(TABLES[str(tp)]["tree"], 16, 64) / at(TABLES[str(tp)]["tree"], 1, 64))
+        assert abs(growth_tree - growth_main) > 0.05  # the synthetic tables differ: the test can tell
+    # the target's tree verification keeps the main table's level per k (it computes every row)
+    c = tree_cost(2, profile_with_tp())
+    ratio = at(TABLES["2"]["tree"], 4, 64) / at(TABLES["1"]["chain"], 4, 64)
+    assert c.tree_forward("target", 4, 64) == pytest.approx(main_target(4, 64) * ratio + ACCEPT[4], rel=1e-9)
+
+
 def test_degree_follows_the_layout() -> None:
     # the serial tree runs both models on max(target_gpus, draft_gpus) devices
     exp = compose_exp("pair=smollm2_135m+smollm2_draft", "schedule=sync", "schedule.tree=true",
