@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import testbed  # noqa: F401  (torch's allocator on huge pages: set before torch is imported)
 from kernels import cpu, native, reference
 
 OPS: tuple[str, ...] = (
