@@ -29,6 +29,7 @@ def main() -> None:
     sys.argv[1:] = flags + [a for a in args if a not in ("-m", "--multirun")]
     from testbed.preflight import command_pairs, main_guard
 
+    sweep = False
     if not any(a.split("=")[0] in HYDRA_FLAGS for a in args):
         composed: dict = {}
         jobs = main_guard(sys.argv[1:], composed)
@@ -37,6 +38,7 @@ def main() -> None:
 
             run_single(composed["cfg"])
             return
+        sweep = True
         os.environ["SPECBED_SWEEP_JOBS"] = str(jobs)  # the sweep's progress line
         from testbed.preflight import MAX_JOBS_CHECKED
 
@@ -49,6 +51,16 @@ def main() -> None:
     from testbed.app import main as app_main
 
     app_main()
+    if sweep:
+        # A sweep has ended: every result and the report are written and closed, its workers
+        # are gone. Tearing down what it imported (torch, pandas, matplotlib) took ~0.35 s of
+        # the user's wait for nothing.
+        import logging
+
+        logging.shutdown()  # (what atexit would do that matters: flush the log files)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ backend named in ``SPECBED_WORKER_BACKEND`` and the sweep report import, once, s
 worker forked from the server starts with them."""
 
 import atexit
+import gc
 import os
 
 from testbed.worker_pool import BACKEND_ENV, SERVER_PARENT_ENV, THREADS_ENV, import_job_modules
@@ -10,6 +11,11 @@ from testbed.worker_pool import BACKEND_ENV, SERVER_PARENT_ENV, THREADS_ENV, imp
 for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):  # as loky's spawned workers
     os.environ.setdefault(var, os.environ.get(THREADS_ENV, "1"))
 import_job_modules(os.environ.get(BACKEND_ENV, "sim"))
+# Everything imported so far lives as long as the workers: out of the collector's sight, a
+# worker's full collections no longer walk it, and do not write to (so copy) the pages it
+# shares with the server. Jobs in workers ran ~10 % slower without (`+sweep=wan`, 2 cores).
+gc.collect()
+gc.freeze()
 
 if os.environ.get(SERVER_PARENT_ENV) == str(os.getppid()):  # in the fork server itself
     # The server holds these imports only for its children. Tearing them down at exit (~0.8 s,

@@ -24,10 +24,12 @@ def _preloaded() -> bool:
     return all(m in sys.modules for m in ("sim.engine", "sim.schedules.async_tree", "torch", "seaborn"))
 
 
-def _origin() -> tuple[int, int, int]:
+def _origin() -> tuple[int, int, int, int]:
+    import gc
+
     import torch
 
-    return os.getpid(), os.getppid(), torch.get_num_threads()
+    return os.getpid(), os.getppid(), torch.get_num_threads(), gc.get_freeze_count()
 
 
 def test_other_launchers_are_not_warmed() -> None:
@@ -74,13 +76,15 @@ def test_launcher_reuses_the_warm_workers(fresh_pool: None) -> None:
     origins = Parallel(**cfg)(delayed(_origin)() for _ in range(4))
     if "forkserver" in multiprocessing.get_all_start_methods():
         # forked from one server that imported all once (not the test process, not spawned)
-        servers = {ppid for _, ppid, _ in origins}
+        servers = {ppid for _, ppid, *_ in origins}
         assert len(servers) == 1 and os.getpid() not in servers
         server = psutil.Process(servers.pop())
         assert server.ppid() == os.getpid()
         # each of the 2 workers gets its share of the cores for torch's pool, as loky's own
         cores = len(os.sched_getaffinity(0))
-        assert {threads for *_, threads in origins} == {max(1, cores // 2)}
+        assert {threads for _, _, threads, _ in origins} == {max(1, cores // 2)}
+        # what the server imported is frozen: the workers' collections never walk (copy) it
+        assert min(frozen for *_, frozen in origins) > 10_000
     worker_pool.shutdown()
     assert not [p for p in warm_pids if psutil.pid_exists(p)], "loky workers left running"
     assert not [c for c in psutil.Process().children() if "forkserver" in " ".join(c.cmdline())]
@@ -113,14 +117,54 @@ def test_a_joblib_sweep_gives_the_basic_launchers_results_and_leaves_no_process(
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "0"}
     tables = {}
     for launcher in ("basic", "joblib"):
-        sweep = tmp_path / launcher
+        sweep, tmp = tmp_path / launcher, tmp_path / f"tmp_{launcher}"
+        tmp.mkdir()
         proc = subprocess.Popen([sys.executable, "-m", "testbed", *grid, f"hydra/launcher={launcher}",
-                                 f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        _, err = proc.communicate(timeout=300)
+                                 f"hydra.sweep.dir={sweep}"], cwd=ROOT, env={**env, "TMPDIR": str(tmp)},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-2000:]
         assert not _started_by(proc.pid), "the sweep's fork server or workers outlived it"
+        # the sweep leaves through os._exit: what it printed last was flushed first
+        assert out.rstrip().splitlines()[-1] == f"sweep report: {sweep / 'report.html'}"
+        assert not list(tmp.glob("specbed-joblib-*")), "the jobs' shared state was left behind"
         tables[launcher] = pd.read_parquet(sweep / "results.parquet")
     assert len(tables["joblib"]) == 3 and set(tables["joblib"]["status"]) == {"ok"}
     cols = [c for c in tables["basic"].columns if c not in ("run_dir", "path", "job")]
     pd.testing.assert_frame_equal(tables["basic"][cols], tables["joblib"][cols])
+
+
+def test_a_worker_loads_the_shared_job_state_once_per_launch(tmp_path, monkeypatch) -> None:
+    """testbed.joblib_jobs: jobs carry only the path of the launch's shared state; a worker
+    unpickles it and restores Hydra's singletons at its first job of that launch only."""
+    import cloudpickle
+    from hydra.core.singleton import Singleton
+
+    from testbed import joblib_jobs
+
+    restored = []
+    monkeypatch.setattr(Singleton, "set_state", staticmethod(restored.append))
+    monkeypatch.setattr(joblib_jobs, "_loaded", {})
+    paths = []
+    for launch in ("a", "b"):
+        path = tmp_path / f"{launch}.pkl"
+        path.write_bytes(cloudpickle.dumps((f"context {launch}", "config", len, f"singletons {launch}")))
+        paths.append(str(path))
+    assert joblib_jobs._shared_state(paths[0]) == ("context a", "config", len)
+    os.unlink(paths[0])  # the later jobs of the launch do not read it again
+    assert joblib_jobs._shared_state(paths[0]) == ("context a", "config", len)
+    assert joblib_jobs._shared_state(paths[1])[0] == "context b"  # a later launch brings its own
+    assert restored == ["singletons a", "singletons b"]
+
+
+def test_only_the_joblib_launcher_is_given_the_shared_state_launch() -> None:
+    from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+    from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
+
+    from testbed.joblib_jobs import SharedStateJoblibLauncher, with_shared_state
+
+    basic = BasicLauncher()
+    assert with_shared_state(basic) is basic
+    joblib = JoblibLauncher(n_jobs=2)
+    wrapped = with_shared_state(joblib)
+    assert isinstance(wrapped, SharedStateJoblibLauncher) and wrapped.joblib == {"n_jobs": 2}

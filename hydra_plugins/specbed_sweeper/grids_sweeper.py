@@ -37,6 +37,7 @@ from hydra.core.override_parser.types import Override
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
+from testbed.joblib_jobs import with_shared_state
 from testbed.sweep_configs import GroupCachedConfigLoader
 
 BASE = "base"
@@ -71,6 +72,7 @@ class GridsSweeper(BasicSweeper):
             hydra_context = HydraContext(config_loader=GroupCachedConfigLoader(loader),
                                          callbacks=hydra_context.callbacks)
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        self.launcher = with_shared_state(self.launcher)  # joblib: the context sent once per worker
 
     def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
         """Every grid's jobs (the basic sweeper's product each), duplicates dropped, in batches."""
