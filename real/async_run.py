@@ -116,18 +116,18 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
                     ctx.now, exp.seed, draft_source=ngram_source(exp, params, vocab))
         served = AsyncServed(role, [])
         if role == "target":
-            probe_target(side, exp, requests[0])
+            served.extra.update(probe_target(side, exp, requests[0]))
             for req in requests:
                 served.outputs.append(target_worker(side, req, eos))
             served.baseline = _baseline(exp, model, params, requests, eos, peer)
         else:
-            depth, t_target, t_draft = probe_draft(side, exp, requests[0])
+            depth, t_target, t_draft, probe = probe_draft(side, exp, requests[0])
             for req in requests:
                 draft_worker(side, req, depth, width=s.tree_width, budget=s.tree_budget)
             _idle_during_baseline(exp, requests, peer)
             served.extra = {"tree_depth_used": depth, "t_target_ms": 1e3 * t_target,
                             "t_draft_ms": 1e3 * t_draft, "tree_width": s.tree_width,
-                            "tree_budget": s.tree_budget, "tree_kv_reuse": side.kv.reuse}
+                            "tree_budget": s.tree_budget, "tree_kv_reuse": side.kv.reuse, **probe}
         served.extra.update({f"async_{k}_s": v for k, v in side.overhead.items()})
     if not ctx.is_leader:
         ctx.rec = RunRecorder()

@@ -26,6 +26,7 @@ from real.drafts import Draft, ModelDraft
 from real.errors import RealSetupError
 from real.loading import build_requests, load, make_draft
 from real.model import Transformer
+from real.probe_forward import probe_in_run, role_probes
 from real.runners import TargetRunner
 from real.schedules import get_schedule
 from real.telemetry import Telemetry
@@ -146,7 +147,8 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
     eos = frozenset() if exp.real.ignore_eos else frozenset(tokenizer.eos_token_ids)
     progress = exp.real.progress and leader
     telemetry = Telemetry(exp.real.device)
-    schedule_extra: dict = {}
+    # the machine as this run finds it, on its own devices, just before it decodes
+    schedule_extra: dict = probe_in_run(role_probes(target, None if exp.schedule.name == "ar" else draft, params))
     want_baseline = exp.schedule.name != "ar" and exp.real.baseline
     if exp.real.repeats > 1:  # interleaved: the run, ar, the run, ar, ... (real/repeats.py)
         from real.repeats import serve_interleaved

@@ -36,6 +36,7 @@ from real.pipeline import (
     stop,
     summary_fields,
 )
+from real.probe_forward import PROBE_CONTEXT, probe_in_run, role_probes
 from real.schedules.decentralized import (
     WindowVerifier,
     alpha_from_tokens,
@@ -98,7 +99,7 @@ def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: r
         slots, draft_slots = cache_slots(exp, requests)
         layers = stages[index].layers
         assert layers is not None
-        target.setup_cache(slots, layers=layers)
+        target.setup_cache(max(slots, PROBE_CONTEXT + 2), layers=layers)
         stage = Stage(target, layers, index, count,
                       ctx.transport_from(names[index - 1]) if count > 1 else None,
                       ctx.transport_to(names[(index + 1) % count]) if count > 1 else None,
@@ -115,6 +116,7 @@ def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: r
             import torch.distributed as dist
 
             dist.barrier()
+        served.extra["probe_stage_s"] = _probe_stages(stage, params)
         if index == 0:
             _first_stage(stage, exp, served, requests, tokenizer, target, params, draft_slots,
                          make_verify, make_draft)
@@ -127,6 +129,32 @@ def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: r
                 served.key += v.key
                 served.drafted += v.drafted
     return served
+
+
+def _probe_stages(stage: Stage, params: SamplingParams) -> float:
+    """This stage's share of the target's probe forward (one token at ``PROBE_CONTEXT`` through
+    its layers; the last stage's head and distribution included), timed stage by stage, each
+    alone as a window visits them: their sum is the whole target's probe (``probe_target_s``)."""
+    import torch.distributed as dist
+
+    from testbed.spec.sampling import standardize
+
+    m = stage.model
+    x = (torch.tensor([[1]], device=m.device) if stage.first
+         else torch.zeros(1, 1, m.args.dim, dtype=m.dtype, device=m.device))
+
+    def forward() -> None:
+        out = stage.compute(x, PROBE_CONTEXT, head=stage.last)
+        if stage.last:
+            standardize(out[-1], params)
+
+    seconds = 0.0
+    for turn in range(stage.count):
+        if turn == stage.index:
+            seconds = probe_in_run({"target": forward})["probe_target_s"]
+        if stage.count > 1:
+            dist.barrier()
+    return seconds
 
 
 def _first_stage(stage: Stage, exp: ExperimentConfig, served: StageServed, requests, tokenizer,  # type: ignore[no-untyped-def]
@@ -150,6 +178,8 @@ def _first_stage(stage: Stage, exp: ExperimentConfig, served: StageServed, reque
             raise _Err("schedule=decentralized needs a draft")
         if isinstance(draft, ModelDraft) and draft.model.max_seq < draft_slots:
             draft.model.setup_cache(draft_slots)
+        # the draft's probe, alone: the other stages wait for the first window
+        served.extra.update(probe_in_run(role_probes(None, draft, draft_params(params, exp.schedule.draft_topk))))
         send = sends_dists(params, draft)
         for req in requests:
             served.outputs.append(dsd_first_stage(stage, draft, req, eos, exp=exp, rec=stage.rec,
@@ -240,4 +270,7 @@ def run_pipeline(exp: ExperimentConfig) -> RunResult:
              "max_new_tokens": exp.workload.max_new_tokens, "processes": len(results),
              **summary(exp, stages, rec, first.baseline)}
     extra.pop("schedule_end_s", None)
+    # the stages' shares of the target's probe forward, each timed alone (``_probe_stages``)
+    extra["probe_target_s"] = round(sum(st.extra.get("probe_stage_s", 0.0) for st in stages), 7)
+    extra.update({k: v for k, v in first.extra.items() if k == "probe_draft_s"})
     return RunResult(recorder=rec, baseline=first.baseline, extra=extra)

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from testbed.config import ExperimentConfig, ModelConfig
+from testbed.machine import FORWARD_PROBE_CONTEXT
 
-PROBE_CONTEXT = 64  # slot of the probed token: the smallest context of the profile's tables
+PROBE_CONTEXT = FORWARD_PROBE_CONTEXT  # slot of the probed token
 WARMUP = 3
 REPEATS = 30  # interleaved over the models: ~1 s for the bundled pair on one core
 REUSE_S = 30.0
@@ -103,3 +104,45 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
     _readings[key] = (time.monotonic(), reading)
     return reading
 
+
+
+# ------------------------------------------------------------------- in a run's own processes
+RUN_REPEATS = 10  # medians of 10 (after 3 warm-ups): ~0.4 s for the bundled pair on one core
+PROBE_FIELDS = {"target": "probe_target_s", "draft": "probe_draft_s"}
+
+
+def probe_in_run(fns: ProbeFns) -> dict[str, float]:
+    """Summary fields ``probe_target_s`` / ``probe_draft_s``: the probe forward (one token at slot
+    ``PROBE_CONTEXT``, standardized at the run's sampling settings) of each role's model, timed
+    by a real run in its own processes on its own devices just before it decodes — the machine as
+    this run finds it (``sim.profile_drift=run_probe`` scales a prediction of the run by them).
+    ``fns``: role -> zero-argument forward; every rank of a tensor-parallel group calls this
+    (the same forwards in the same order: the group's collectives stay matched)."""
+    return {PROBE_FIELDS[role]: s for role, s in time_functions(fns, repeats=RUN_REPEATS).items()}
+
+
+def role_probes(target: Any, draft: Any, params: Any) -> ProbeFns:
+    """The run's forwards for ``probe_in_run``: the target (a real.model.Transformer, maybe a
+    shard) and the draft when it has a forward of its own (a real.drafts model or early-exit
+    draft; not the n-gram lookup). The KV slots written are overwritten by the first prefill."""
+    for model in (target, getattr(draft, "model", None)):
+        if model is not None and model.max_seq < PROBE_CONTEXT + 2:
+            model.setup_cache(PROBE_CONTEXT + 2)
+    fns: ProbeFns = {}
+    if target is not None:
+        fns["target"] = model_probe(target, params)
+    if draft is not None and getattr(draft, "forward_probs", None) is not None \
+            and draft.forward_probs([1], PROBE_CONTEXT) is not None:
+        fns["draft"] = lambda: draft.forward_probs([1], PROBE_CONTEXT)
+    return fns
+
+
+def model_probe(model: Any, params: Any) -> Callable[[], Any]:
+    """The probe forward of a whole model (or its shard): one token at ``PROBE_CONTEXT`` and its
+    distribution, as the profile's one-token entry times it (``TargetRunner.probs``)."""
+    from real.runners import TargetRunner
+
+    if model.max_seq < PROBE_CONTEXT + 2:
+        model.setup_cache(PROBE_CONTEXT + 2)
+    runner = TargetRunner(model, params)
+    return lambda: runner.probs([1], PROBE_CONTEXT)

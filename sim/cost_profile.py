@@ -65,6 +65,7 @@ from sim.profile_tables import (
     temperature_class,
 )
 from testbed.config import ConfigError, ExperimentConfig
+from testbed.machine import FORWARD_PROBE_CONTEXT
 from testbed.paths import profile_path
 
 MIN_ROUNDS = 5  # rescale: rounds of one k needed for a k of its own
@@ -129,8 +130,33 @@ class ProfileCost(CostModel):
             self.drift_by_role = dict.fromkeys(self.scale, self._probe_drift())
         elif exp.sim.profile_drift == "forward":
             self.drift_by_role = self._forward_drift(exp)
+        elif exp.sim.profile_drift == "run_probe":  # sim/run_probe.py
+            from sim.run_probe import drift_factors
+
+            modelled = {role: self.probe_seconds(role) for role in ("target", "draft") if role in self._forward}
+            self.drift_by_role, self.drift_run = drift_factors(exp, modelled)
         self.drift = self.drift_by_role["target"]
         self.scale = {role: v * self.drift_by_role[role] for role, v in self.scale.items()}
+
+    def probe_seconds(self, role: str) -> float | None:
+        """The profile's time for the probe forward real runs time (real/probe_forward.py): one
+        token at ``FORWARD_PROBE_CONTEXT``, chain-shaped, at the role's TP degree, alone; None
+        for a model without a forward (the n-gram lookup)."""
+        table = self._forward.get(role)
+        if not isinstance(table, Table2D):
+            return None
+        t = table(1, FORWARD_PROBE_CONTEXT)
+        factor = self._factor.get(role)
+        return t * factor("chain", 1, FORWARD_PROBE_CONTEXT) if factor is not None else t
+
+    def apply_drift(self, factors: dict[str, float]) -> None:
+        """Scale ``factors``' roles by them too (a prediction's `ar` baseline takes the
+        prediction's own drift: the real run's baseline ran in the same processes)."""
+        for role, f in factors.items():
+            if role in self.scale:
+                self.scale[role] *= f
+                self.drift_by_role[role] = self.drift_by_role.get(role, 1.0) * f
+        self.drift = self.drift_by_role["target"]
 
     def _forward_drift(self, exp: ExperimentConfig) -> dict[str, float]:
         from testbed.backends import hook

@@ -105,11 +105,18 @@ def _run(exp: ExperimentConfig) -> RunResult:
     requests = make_requests(exp)
     t0 = time.perf_counter()
     schedule_extra: dict = {}
-    rec = simulate(exp, requests, seed=exp.seed, extra=schedule_extra)
+    cost = make_cost_model(exp)
+    rec = simulate(exp, requests, seed=exp.seed, extra=schedule_extra, cost=cost)
     wall = time.perf_counter() - t0
     baseline = None
     if exp.schedule.name != "ar":
-        baseline = simulate(baseline_experiment(exp), requests, seed=exp.seed + 1, keep_spans=False)
+        base, base_cost = baseline_experiment(exp), None
+        if exp.sim.profile_drift == "run_probe":
+            # the real run's `ar` baseline ran in its processes: the prediction's drift holds for it
+            base.sim.profile_drift = "none"
+            base_cost = make_cost_model(base)
+            base_cost.apply_drift({"target": cost.drift_by_role["target"]})  # type: ignore[attr-defined]
+        baseline = simulate(base, requests, seed=exp.seed + 1, keep_spans=False, cost=base_cost)
     generated = sum(r["generated"] for r in rec.requests)
     extra = {"cost_model": exp.sim.cost_model, "oracle": exp.acceptance.oracle,
              "alpha_config": exp.acceptance.alpha if exp.acceptance.oracle != "trace" else None,

@@ -19,7 +19,7 @@ from testbed.paths import CONF_DIR
 
 ORACLES = ("iid", "synthetic", "trace")
 COST_MODELS = ("analytic", "roofline", "profile")
-PROFILE_DRIFTS = ("none", "probe", "forward")
+PROFILE_DRIFTS = ("none", "probe", "forward", "run_probe")
 WORKLOADS = ("synthetic", "humaneval", "mtbench", "alpaca")
 MODEL_KINDS = ("transformer", "ngram", "early_exit")
 MLPS = ("swiglu", "gelu")  # gelu: GPTBigCode/StarCoder, 2 matrices instead of 3
@@ -156,7 +156,7 @@ class SimConfig:
     # profile: the machine's drift, without a run of the configuration: `forward` scales each
     # model's times by its probe forward now / in the profile (real/probe_forward.py), `probe`
     # all times by the profile's bandwidth probe / the probe now (testbed/machine.py)
-    profile_drift: str = "none"  # none | forward | probe
+    profile_drift: str = "none"  # none | forward | probe | run_probe
     prediction_resamples: int = 0  # acceptance=trace: > 0 adds 95% prediction intervals (bootstrap)
 
 

@@ -155,6 +155,10 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     if sm.profile_drift != "none" and sm.profile_rescale:
         raise ConfigError("sim.profile_drift", sm.profile_drift, "none with sim.profile_rescale=true (both "
                           "set the profile's level: the rescale from the trace runs, the drift from a probe)")
+    if sm.profile_drift == "run_probe" and a.oracle != "trace":
+        raise ConfigError("sim.profile_drift", sm.profile_drift, "none, forward or probe unless "
+                          "acceptance=trace (run_probe reads the measured run's probe from the runs "
+                          "of acceptance.trace_path)")
     if sm.profile_drift != "none" and sm.cost_model != "profile":
         raise ConfigError("sim.profile_drift", sm.profile_drift, "none unless sim.cost_model=profile (it "
                           "corrects a measured profile for the machine's drift)")

@@ -1,0 +1,93 @@
+"""`sim.profile_drift=run_probe`: the profile scaled to the machine as the measured run found it.
+
+A shared CPU host drifts: the same forward took 24.7 ms and 31.0 ms within one calibration
+(2026-11-25), and a probe timed in the predicting process minutes after a run says little about
+the processes that ran it (per-process page placement, the other core's load then). Every real
+run therefore times a fixed probe forward of each role's model — one token at slot
+``FORWARD_PROBE_CONTEXT``, on the run's own devices and processes, just before it decodes
+(real/probe_forward.py: ``probe_target_s``, ``probe_draft_s``). The probe does not depend on the
+configuration's schedule, γ, tree, lookahead or prompts, and no time of the run's decoding is
+used: it is the short probe "measured just before" that issue 15 allows, taken where the
+measurement is taken.
+
+A prediction with ``run_probe`` finds the real run of its own experiment (the same experiment
+key and prompt split, and for DSD the same links and τ) among the runs of
+``acceptance.trace_path`` — in `+sweep=validate` the measure role of the same grid point — and
+scales each role's profile times by (its probe) / (the profile's time for the probe's own shape:
+one token at that slot, chain-shaped, at the role's TP degree, alone). The profile keeps the
+shape in tokens, context, TP degree and contention; the level is the machine's at the run.
+The n-gram draft (no forward) takes the target's factor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from testbed.config import ConfigError, ExperimentConfig
+from testbed.metrics import experiment_key
+from testbed.results import run_split
+
+FIELDS = {"target": "probe_target_s", "draft": "probe_draft_s"}
+HOWTO = ("real runs record it since 2026-11-25: run the measurement again (`+sweep=validate` runs "
+         "it before each prediction), or use sim.profile_drift=forward")
+
+
+def _same_point(s: dict[str, Any], exp: ExperimentConfig) -> bool:
+    """The run measured this experiment: key fields, and for DSD its links and relaxation."""
+    key = experiment_key(exp)
+    for k, v in key.items():
+        if k == "backend":
+            continue
+        if k == "temperature":
+            if float(s.get(k, -1)) != float(v):
+                return False
+        elif s.get(k) != v:
+            return False
+    if exp.schedule.name == "decentralized":
+        tau = exp.schedule.tau if exp.schedule.adaptive else 0.0
+        return (float(s.get("latency_ms") or 0.0) == float(exp.network.latency_ms)
+                and float(s.get("tau") or 0.0) == float(tau))
+    return True
+
+
+def measured_run(exp: ExperimentConfig) -> tuple[Path, dict[str, Any]]:
+    """The newest real run of ``exp``'s experiment on ``exp``'s prompt split that recorded the
+    probe, below ``acceptance.trace_path``; ConfigError naming the setting when there is none."""
+    raw = exp.acceptance.trace_path
+    root = Path(raw or "").expanduser()
+    if not raw or not root.exists():
+        raise ConfigError("acceptance.trace_path", raw, "a directory holding the real run of this "
+                          "experiment (sim.profile_drift=run_probe scales by its probe)")
+    found = []
+    for f in ([root / "summary.json"] if (root / "summary.json").exists() else root.rglob("summary.json")):
+        try:
+            s = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue  # a damaged run is not this one's measurement (the trace reader names it)
+        if (s.get("backend") == "real" and FIELDS["target"] in s and _same_point(s, exp)
+                and run_split(f.parent, s) == exp.workload.split):
+            found.append((f.stat().st_mtime, f.parent, s))
+    if not found:
+        raise ConfigError("sim.profile_drift", "run_probe",
+                          f"a real run of this experiment (schedule {experiment_key(exp)['schedule']}, "
+                          f"pair {exp.pair.name}, split {exp.workload.split}) with its probe forward "
+                          f"below {raw}; {HOWTO}")
+    _, run_dir, summary = max(found, key=lambda x: x[0])
+    return run_dir, summary
+
+
+def drift_factors(exp: ExperimentConfig, modelled_probe: dict[str, float | None]) -> tuple[dict[str, float], Path]:
+    """Per role: the measured run's probe over the profile's time for it (``modelled_probe``:
+    role -> seconds, None for a role without a forward); and the run it came from."""
+    run_dir, s = measured_run(exp)
+    out: dict[str, float] = {}
+    for role, modelled in modelled_probe.items():
+        measured = s.get(FIELDS[role])
+        if modelled and measured:
+            out[role] = float(measured) / modelled
+    if "target" not in out:
+        raise ConfigError("sim.profile_drift", "run_probe", f"a run whose target probe is positive "
+                          f"({run_dir} has {s.get(FIELDS['target'])!r})")
+    return {role: out.get(role, out["target"]) for role in ("target", "draft")}, run_dir
