@@ -27,11 +27,13 @@ import torch
 from real.context import RealContext
 from real.errors import RealSetupError
 from real.links import Kind, Message
+from real.probe_forward import RunProbe, model_probe
 from real.runners import TargetRunner
 from real.schedules.async_tree import (
     Peer,
     Side,
     draft_worker,
+    probe_before_request,
     probe_draft,
     probe_target,
     target_worker,
@@ -112,23 +114,28 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
             apply_tp(model, rank=ctx.info.index, world=ctx.group.tp, group=ctx.tp_group(),
                      allreduce=exp.real.allreduce)
         rec = ctx.rec if ctx.is_leader else RunRecorder()
+        probe = RunProbe({} if model is None else {role: model_probe(model, params)},
+                         group=ctx.tp_group() if ctx.group.tp > 1 else None)
         side = Side(model, LocalModel(model) if model is not None else None, params, peer, rec,
-                    ctx.now, exp.seed, draft_source=ngram_source(exp, params, vocab))
+                    ctx.now, exp.seed, draft_source=ngram_source(exp, params, vocab), probe=probe)
         served = AsyncServed(role, [])
         if role == "target":
-            served.extra.update(probe_target(side, exp, requests[0]))
+            probe_target(side, exp, requests[0])
             for req in requests:
+                probe_before_request(side, role, req)
                 served.outputs.append(target_worker(side, req, eos))
             served.baseline = _baseline(exp, model, params, requests, eos, peer)
         else:
-            depth, t_target, t_draft, probe = probe_draft(side, exp, requests[0])
+            depth, t_target, t_draft = probe_draft(side, exp, requests[0])
             for req in requests:
+                probe_before_request(side, role, req)
                 draft_worker(side, req, depth, width=s.tree_width, budget=s.tree_budget)
             _idle_during_baseline(exp, requests, peer)
             served.extra = {"tree_depth_used": depth, "t_target_ms": 1e3 * t_target,
                             "t_draft_ms": 1e3 * t_draft, "tree_width": s.tree_width,
-                            "tree_budget": s.tree_budget, "tree_kv_reuse": side.kv.reuse, **probe}
+                            "tree_budget": s.tree_budget, "tree_kv_reuse": side.kv.reuse}
         served.extra.update({f"async_{k}_s": v for k, v in side.overhead.items()})
+        served.extra.update({k: v for k, v in probe.fields().items() if k != "probe_points" or role == "target"})
     if not ctx.is_leader:
         ctx.rec = RunRecorder()
     return served

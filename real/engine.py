@@ -26,7 +26,7 @@ from real.drafts import Draft, ModelDraft
 from real.errors import RealSetupError
 from real.loading import build_requests, load, make_draft
 from real.model import Transformer
-from real.probe_forward import probe_in_run, role_probes
+from real.probe_forward import RunProbe, role_probes
 from real.runners import TargetRunner
 from real.schedules import get_schedule
 from real.telemetry import Telemetry
@@ -59,8 +59,9 @@ def _progress(total: int, enabled: bool, desc: str):  # type: ignore[no-untyped-
 
 def serve(exp: ExperimentConfig, schedule: str, target: Transformer, draft: Draft | None,
           requests: list[RealRequest], eos: frozenset[int], progress: bool,
-          extra: dict | None = None) -> RunRecorder:
-    """Serve the requests one after another; the schedule's summary fields go into ``extra``."""
+          extra: dict | None = None, probe: RunProbe | None = None) -> RunRecorder:
+    """Serve the requests one after another; the schedule's summary fields go into ``extra``
+    (with ``probe``'s, taken before every request)."""
     if not runs_on("real", schedule):
         raise RealSetupError(f"schedule={schedule} is not available on backend=real yet: "
                              f"use one of {', '.join(implementations('real'))} (or backend=sim)")
@@ -72,9 +73,12 @@ def serve(exp: ExperimentConfig, schedule: str, target: Transformer, draft: Draf
         ctx = RealContext(exp, TargetRunner(target, params), draft, rec, eos, params, bar.update,
                           time.perf_counter())
         for req in requests:
+            if probe is not None:
+                probe.take()
             serve_one(ctx, req)
     if extra is not None:
         extra.update(ctx.extra)
+        extra.update(probe.fields() if probe is not None else {})
     return rec
 
 
@@ -147,14 +151,17 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
     eos = frozenset() if exp.real.ignore_eos else frozenset(tokenizer.eos_token_ids)
     progress = exp.real.progress and leader
     telemetry = Telemetry(exp.real.device)
-    # the machine as this run finds it, on its own devices, just before it decodes
-    schedule_extra: dict = probe_in_run(role_probes(target, None if exp.schedule.name == "ar" else draft, params))
+    # the machine as this run finds it, on its own devices, before each request it decodes
+    probe = RunProbe(role_probes(target, None if exp.schedule.name == "ar" else draft, params),
+                     group=None if tp is None else tp[2])
+    schedule_extra: dict = {}
     want_baseline = exp.schedule.name != "ar" and exp.real.baseline
     if exp.real.repeats > 1:  # interleaved: the run, ar, the run, ar, ... (real/repeats.py)
         from real.repeats import serve_interleaved
 
         def measure(impl: str, extra: dict | None) -> RunRecorder:
-            return serve(exp, impl, target, None if impl == "ar" else draft, requests, eos, progress, extra)
+            return serve(exp, impl, target, None if impl == "ar" else draft, requests, eos, progress, extra,
+                         probe=None if impl == "ar" and exp.schedule.name != "ar" else probe)
         with telemetry if leader else contextlib.nullcontext():
             rec, baseline, repeat_fields = serve_interleaved(
                 schedule_impl(exp), exp.real.repeats, want_baseline, measure, schedule_extra, seed=exp.seed)
@@ -162,7 +169,7 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
         want_baseline = False
     else:
         with telemetry if leader else contextlib.nullcontext():
-            rec = serve(exp, schedule_impl(exp), target, draft, requests, eos, progress, schedule_extra)
+            rec = serve(exp, schedule_impl(exp), target, draft, requests, eos, progress, schedule_extra, probe)
         baseline = None
     if want_baseline:
         key = baseline_key(exp, requests)

@@ -36,7 +36,7 @@ from real.pipeline import (
     stop,
     summary_fields,
 )
-from real.probe_forward import PROBE_CONTEXT, probe_in_run, role_probes
+from real.probe_forward import PROBE_CONTEXT, RunProbe, role_probes
 from real.schedules.decentralized import (
     WindowVerifier,
     alpha_from_tokens,
@@ -151,7 +151,7 @@ def _probe_stages(stage: Stage, params: SamplingParams) -> float:
     seconds = 0.0
     for turn in range(stage.count):
         if turn == stage.index:
-            seconds = probe_in_run({"target": forward})["probe_target_s"]
+            seconds = RunProbe({"target": forward}).take()["target"]
         if stage.count > 1:
             dist.barrier()
     return seconds
@@ -179,7 +179,9 @@ def _first_stage(stage: Stage, exp: ExperimentConfig, served: StageServed, reque
         if isinstance(draft, ModelDraft) and draft.model.max_seq < draft_slots:
             draft.model.setup_cache(draft_slots)
         # the draft's probe, alone: the other stages wait for the first window
-        served.extra.update(probe_in_run(role_probes(None, draft, draft_params(params, exp.schedule.draft_topk))))
+        probe = RunProbe(role_probes(None, draft, draft_params(params, exp.schedule.draft_topk)))
+        probe.take()
+        served.extra.update(probe.fields())
         send = sends_dists(params, draft)
         for req in requests:
             served.outputs.append(dsd_first_stage(stage, draft, req, eos, exp=exp, rec=stage.rec,

@@ -57,13 +57,17 @@ def probe_functions(exp: ExperimentConfig, target: Any, tokenizer: Any,
     return fns
 
 
-def time_functions(fns: ProbeFns, *, repeats: int = REPEATS, warmup: int = WARMUP) -> dict[str, float]:
+def time_functions(fns: ProbeFns, *, repeats: int = REPEATS, warmup: int = WARMUP,
+                   align: Callable[[], Any] | None = None) -> dict[str, float]:
     """Median seconds per call of each function, the calls interleaved (a burst of load hits
-    every model alike)."""
+    every model alike). ``align``, called before each call and not timed: a tensor-parallel
+    group's barrier, so that every rank starts the forward together (see ``RunProbe``)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     with torch.inference_mode():
         for i in range(warmup + repeats):
             for name, fn in fns.items():
+                if align is not None:
+                    align()
                 t = time.perf_counter()
                 fn()
                 if i >= warmup:
@@ -107,22 +111,51 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------- in a run's own processes
-RUN_REPEATS = 10  # medians of 10 (after 3 warm-ups): ~0.4 s for the bundled pair on one core
+RUN_REPEATS = 5  # per request: median of 5 after 1 warm-up, ~0.15 s for the bundled pair
 PROBE_FIELDS = {"target": "probe_target_s", "draft": "probe_draft_s"}
 
 
-def probe_in_run(fns: ProbeFns) -> dict[str, float]:
+class RunProbe:
     """Summary fields ``probe_target_s`` / ``probe_draft_s``: the probe forward (one token at slot
     ``PROBE_CONTEXT``, standardized at the run's sampling settings) of each role's model, timed
-    by a real run in its own processes on its own devices just before it decodes — the machine as
-    this run finds it (``sim.profile_drift=run_probe`` scales a prediction of the run by them).
-    ``fns``: role -> zero-argument forward; every rank of a tensor-parallel group calls this
-    (the same forwards in the same order: the group's collectives stay matched)."""
-    return {PROBE_FIELDS[role]: s for role, s in time_functions(fns, repeats=RUN_REPEATS).items()}
+    by a real run in its own processes on its own devices just before each request it decodes,
+    averaged over the requests — the machine as this run found it (``sim.profile_drift=run_probe``
+    scales a prediction of the run by them). On this host the level of a two-process forward
+    moved by 15 % within one 20 s run, so one reading before the first request did not follow
+    the run it stood for; readings before every request do. No time of the run's own decoding
+    is used.
+
+    ``fns``: role -> zero-argument forward. Every rank of a tensor-parallel group takes the same
+    readings (the same forwards in the same order: the group's collectives stay matched), given
+    the group's process ``group``: each forward then starts after a barrier. A TP forward lasts
+    as long as its slowest rank; unaligned, a leader that ran behind its peer never waited for
+    it and timed its own share only (16 ms against 22-33 ms aligned, bundled target at TP 2).
+    The leader's readings are the run's."""
+
+    def __init__(self, fns: ProbeFns, group: Any = None) -> None:
+        self.fns, self.readings = fns, []
+        self.align = None
+        if group is not None:
+            import torch.distributed as dist
+
+            self.align = lambda: dist.barrier(group=group)
+
+    def take(self) -> dict[str, float]:
+        reading = time_functions(self.fns, repeats=RUN_REPEATS, warmup=1, align=self.align)
+        self.readings.append(reading)
+        return reading
+
+    def fields(self) -> dict[str, Any]:
+        if not self.readings:
+            return {}
+        out: dict[str, Any] = {PROBE_FIELDS[role]: round(statistics.fmean(r[role] for r in self.readings), 7)
+                               for role in self.fns}
+        out["probe_points"] = len(self.readings)
+        return out
 
 
 def role_probes(target: Any, draft: Any, params: Any) -> ProbeFns:
-    """The run's forwards for ``probe_in_run``: the target (a real.model.Transformer, maybe a
+    """The run's forwards for ``RunProbe``: the target (a real.model.Transformer, maybe a
     shard) and the draft when it has a forward of its own (a real.drafts model or early-exit
     draft; not the n-gram lookup). The KV slots written are overwritten by the first prefill."""
     for model in (target, getattr(draft, "model", None)):

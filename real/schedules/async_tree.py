@@ -47,7 +47,6 @@ import torch
 from real.context import RealContext, RealRequest, finish
 from real.errors import RealSetupError
 from real.links import Kind, Message, Transport
-from real.probe_forward import model_probe, probe_in_run
 from real.runners import prefill
 from real.schedules import register
 from real.tree_tokens import DraftTreeTokens, ForwardModel, TargetTreeTokens
@@ -98,6 +97,7 @@ class Side:
     # the draft's DraftSource for (committed tokens, generator); None: DraftTreeTokens over
     # ``fwd`` (a model draft). The n-gram draft has no model: ``model`` and ``fwd`` are None.
     draft_source: Callable[[list[int], torch.Generator], DraftSource] | None = None
+    probe: Any = None  # real.probe_forward.RunProbe of this group's model (probe_before_request)
 
     def new_draft_source(self, ids: list[int], generator: torch.Generator) -> DraftSource:
         if self.draft_source is not None:
@@ -180,23 +180,19 @@ def _time_expansion(side: Side, exp: Any, req: RealRequest) -> float:
     return sorted(times)[len(times) // 2] if times else 0.0
 
 
-def probe_target(side: Side, exp: Any, req: RealRequest) -> dict[str, float]:
-    """Target group: time one verification forward at the middle of ``req``, tell the draft;
-    returns the fixed probe forward timed here first (``probe_in_run``: ``probe_target_s``)."""
+def probe_target(side: Side, exp: Any, req: RealRequest) -> None:
+    """Target group: time one verification forward at the middle of ``req``, tell the draft."""
     ref = len(req.prompt_ids) + req.max_new_tokens // 2
-    side.peer.recv()  # the draft group is loaded (and waits): time the forwards alone
-    probe = probe_in_run({"target": model_probe(side.model, side.params)})
+    side.peer.recv()  # the draft group is loaded (and waits): time the verification alone
     t = _time_forward(side, exp.schedule.tree_budget, ref)
     side.peer.send(Message(Kind.DATA, request_id=req.request_id,
                            tensors=(torch.tensor([t], dtype=torch.float64),)))
     side.peer.recv()  # the draft's answer: the link's one-way time and d, for the summary
-    return probe
 
 
-def probe_draft(side: Side, exp: Any, req: RealRequest) -> tuple[int, float, float, dict[str, float]]:
+def probe_draft(side: Side, exp: Any, req: RealRequest) -> tuple[int, float, float]:
     """Draft group: (d, t_target, t_draft) from the target's measured forward, the message's
-    one-way time (both messages of a round) and an expansion timed here; and the draft model's
-    fixed probe forward timed alone (``probe_in_run``: ``probe_draft_s``; none for n-grams)."""
+    one-way time (both messages of a round) and an expansion timed here."""
     s = exp.schedule
     side.peer.send(Message(Kind.DATA, request_id=req.request_id))  # loaded
     # one after the other, each forward alone (the simulator's choose_depth likewise takes the
@@ -204,13 +200,30 @@ def probe_draft(side: Side, exp: Any, req: RealRequest) -> tuple[int, float, flo
     # target's, which then read its forward alone anyway
     msg = side.peer.recv()
     one_way = side.peer.share(max(0.0, side.now() - msg.sent_s))  # the leader's reading for everyone
-    probe = {} if side.model is None else probe_in_run({"draft": model_probe(side.model, side.params)})
     t_draft = side.peer.share(_time_expansion(side, exp, req))  # (the leader's, as one_way)
     t_target = float(msg.tensors[0][0]) + 2 * one_way
     depth = async_depth(tree_depth=s.tree_depth, t_target=t_target, t_draft=t_draft)
     side.peer.send(Message(Kind.DATA, request_id=req.request_id, version=depth,
                            tensors=(torch.tensor([t_target, t_draft], dtype=torch.float64),)))
-    return depth, t_target, t_draft, probe
+    return depth, t_target, t_draft
+
+
+def probe_before_request(side: Side, role: str, req: RealRequest) -> None:
+    """Both groups, before each request: the target group times its model's probe forward
+    while the draft group waits, then the draft group its own while the target waits
+    (``side.probe``, a real.probe_forward.RunProbe; the n-gram draft has none). Each alone, as
+    the profile's probe and the simulator's drift factor take them."""
+    rid = req.request_id
+    if role == "target":
+        side.peer.recv()  # the draft waits
+        side.probe.take()
+        side.peer.send(Message(Kind.DATA, request_id=rid))
+        side.peer.recv()  # the draft has taken its reading
+    else:
+        side.peer.send(Message(Kind.DATA, request_id=rid))
+        side.peer.recv()  # the target has taken its reading
+        side.probe.take()
+        side.peer.send(Message(Kind.DATA, request_id=rid))
 
 
 # ------------------------------------------------------------------------------ workers
