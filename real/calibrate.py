@@ -59,7 +59,7 @@ class Grid:
     context: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])
     prompt_len: list[int] = field(default_factory=lambda: [16, 64, 128, 256, 512])  # beyond: linear
     gammas: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # n-gram propose
-    repeats: int = 5  # interleaved passes over every probe; the median is kept
+    repeats: int = 7  # interleaved passes over every probe; the median is kept
     message_bytes: list[int] = field(default_factory=lambda: [4, 1024, 16384, 262144, 1048576, 4194304])
     message_repeats: int = 20
 

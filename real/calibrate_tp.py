@@ -45,7 +45,7 @@ class TpGrid:
     k: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     context: list[int] = field(default_factory=lambda: [64, 256, 640])
     degrees: list[int] = field(default_factory=lambda: [1, 2])
-    repeats: int = 5  # interleaved passes; the median is kept
+    repeats: int = 7  # interleaved passes; the median is kept
     allreduce_floats: list[int] = field(default_factory=lambda: [576, 4608, 36864, 147456, 589824])
     message_bytes: list[int] = field(default_factory=lambda: [4, 1024, 16384, 262144, 1048576])
     message_repeats: int = 30
@@ -89,7 +89,10 @@ class PassTimer:
         self.fns: dict[tuple, Callable[[], Any]] = {}
         self.samples: dict[tuple, list[float]] = {}
 
-    def run(self, passes: int, seed: int) -> None:
+    def run(self, passes: int, seed: int, align: Callable[[], Any] | None = None) -> None:
+        """``align`` (not timed) before every timed call: at TP > 1 the group's barrier, so that
+        both ranks start each forward together and the leader's time is the group's (a leader
+        that ran behind timed only its own share: k = 2 read slower than k = 4 at TP 2)."""
         keys = sorted(self.fns)
         for key in keys:
             self.fns[key]()  # warm-up
@@ -97,6 +100,8 @@ class PassTimer:
         for _ in range(passes):
             rng.shuffle(keys)
             for key in keys:
+                if align is not None:
+                    align()
                 t = time.perf_counter()
                 self.fns[key]()
                 self.samples.setdefault(key, []).append(time.perf_counter() - t)
@@ -160,7 +165,8 @@ def tp_worker(ctx: Any, models: dict[str, str | None], grid_d: dict[str, Any]) -
                     for c in grid.context:
                         for k in grid.k:
                             timer.fns[(shape, k, c)] = _forward_fn(model, shape, k, c, gen)
-                timer.run(grid.repeats, seed=degree)
+                timer.run(grid.repeats, seed=degree,
+                          align=(lambda: dist.barrier(group=group)) if degree > 1 else None)
                 result["forward"][(name, degree)] = {key: timer.median(key) for key in timer.fns}
                 if degree == 1:
                     dist.barrier(group=group)
