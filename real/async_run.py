@@ -27,7 +27,7 @@ import torch
 from real.context import RealContext
 from real.errors import RealSetupError
 from real.links import Kind, Message
-from real.probe_forward import RunProbe, model_probe
+from real.probe_forward import PROBE_TOKENS, RunProbe, model_probe
 from real.runners import TargetRunner
 from real.schedules.async_tree import (
     Peer,
@@ -114,8 +114,10 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
             apply_tp(model, rank=ctx.info.index, world=ctx.group.tp, group=ctx.tp_group(),
                      allreduce=exp.real.allreduce)
         rec = ctx.rec if ctx.is_leader else RunRecorder()
-        probe = RunProbe({} if model is None else {role: model_probe(model, params)},
-                         group=ctx.tp_group() if ctx.group.tp > 1 else None)
+        fns = {} if model is None else {role: model_probe(model, params)}
+        if role == "target":
+            fns["target_k8"] = model_probe(model, params, tokens=PROBE_TOKENS)
+        probe = RunProbe(fns, group=ctx.tp_group() if ctx.group.tp > 1 else None, requests=len(requests))
         side = Side(model, LocalModel(model) if model is not None else None, params, peer, rec,
                     ctx.now, exp.seed, draft_source=ngram_source(exp, params, vocab), probe=probe)
         served = AsyncServed(role, [])

@@ -72,9 +72,9 @@ def serve(exp: ExperimentConfig, schedule: str, target: Transformer, draft: Draf
     with _progress(total, progress, f"real {schedule}") as bar:
         ctx = RealContext(exp, TargetRunner(target, params), draft, rec, eos, params, bar.update,
                           time.perf_counter())
-        for req in requests:
+        for i, req in enumerate(requests):
             if probe is not None:
-                probe.take()
+                probe.take(i)
             serve_one(ctx, req)
     if extra is not None:
         extra.update(ctx.extra)
@@ -153,7 +153,7 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
     telemetry = Telemetry(exp.real.device)
     # the machine as this run finds it, on its own devices, before each request it decodes
     probe = RunProbe(role_probes(target, None if exp.schedule.name == "ar" else draft, params),
-                     group=None if tp is None else tp[2])
+                     group=None if tp is None else tp[2], requests=len(requests))
     schedule_extra: dict = {}
     want_baseline = exp.schedule.name != "ar" and exp.real.baseline
     if exp.real.repeats > 1:  # interleaved: the run, ar, the run, ar, ... (real/repeats.py)

@@ -21,6 +21,7 @@ seed (its random streams are coupled to this run's): the report pairs them
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ from real.pipeline import (
     stop,
     summary_fields,
 )
-from real.probe_forward import PROBE_CONTEXT, RunProbe, role_probes
+from real.probe_forward import PROBE_CONTEXT, PROBE_TOKENS, RunProbe, role_probes
 from real.schedules.decentralized import (
     WindowVerifier,
     alpha_from_tokens,
@@ -116,7 +117,7 @@ def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: r
             import torch.distributed as dist
 
             dist.barrier()
-        served.extra["probe_stage_s"] = _probe_stages(stage, params)
+        served.extra["probe_stage"] = _probe_stages(stage, params)
         if index == 0:
             _first_stage(stage, exp, served, requests, tokenizer, target, params, draft_slots,
                          make_verify, make_draft)
@@ -131,30 +132,34 @@ def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: r
     return served
 
 
-def _probe_stages(stage: Stage, params: SamplingParams) -> float:
-    """This stage's share of the target's probe forward (one token at ``PROBE_CONTEXT`` through
-    its layers; the last stage's head and distribution included), timed stage by stage, each
-    alone as a window visits them: their sum is the whole target's probe (``probe_target_s``)."""
+def _probe_stages(stage: Stage, params: SamplingParams) -> dict[str, float]:
+    """This stage's share of the target's probe forwards (one and ``PROBE_TOKENS`` tokens at
+    ``PROBE_CONTEXT`` through its layers; the last stage's head and distributions included),
+    timed stage by stage, each alone as a window visits them: their sums are the whole
+    target's probes (``probe_target_s``, ``probe_target_k8_s``)."""
     import torch.distributed as dist
 
     from testbed.spec.sampling import standardize
 
     m = stage.model
-    x = (torch.tensor([[1]], device=m.device) if stage.first
-         else torch.zeros(1, 1, m.args.dim, dtype=m.dtype, device=m.device))
 
-    def forward() -> None:
-        out = stage.compute(x, PROBE_CONTEXT, head=stage.last)
-        if stage.last:
-            standardize(out[-1], params)
+    def forward(tokens: int) -> Callable[[], None]:
+        x = (torch.ones(1, tokens, dtype=torch.long, device=m.device) if stage.first
+             else torch.zeros(1, tokens, m.args.dim, dtype=m.dtype, device=m.device))
 
-    seconds = 0.0
+        def run() -> None:
+            out = stage.compute(x, PROBE_CONTEXT, head=stage.last)
+            if stage.last:
+                standardize(out, params)
+        return run
+
+    reading: dict[str, float] = {}
     for turn in range(stage.count):
         if turn == stage.index:
-            seconds = RunProbe({"target": forward}).take()["target"]
+            reading = RunProbe({"target": forward(1), "target_k8": forward(PROBE_TOKENS)}).take() or {}
         if stage.count > 1:
             dist.barrier()
-    return seconds
+    return reading
 
 
 def _first_stage(stage: Stage, exp: ExperimentConfig, served: StageServed, requests, tokenizer,  # type: ignore[no-untyped-def]
@@ -273,6 +278,7 @@ def run_pipeline(exp: ExperimentConfig) -> RunResult:
              **summary(exp, stages, rec, first.baseline)}
     extra.pop("schedule_end_s", None)
     # the stages' shares of the target's probe forward, each timed alone (``_probe_stages``)
-    extra["probe_target_s"] = round(sum(st.extra.get("probe_stage_s", 0.0) for st in stages), 7)
+    for role, name in (("target", "probe_target_s"), ("target_k8", "probe_target_k8_s")):
+        extra[name] = round(sum(st.extra.get("probe_stage", {}).get(role, 0.0) for st in stages), 7)
     extra.update({k: v for k, v in first.extra.items() if k == "probe_draft_s"})
     return RunResult(recorder=rec, baseline=first.baseline, extra=extra)

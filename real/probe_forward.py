@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from testbed.config import ExperimentConfig, ModelConfig
-from testbed.machine import FORWARD_PROBE_CONTEXT
+from testbed.machine import FORWARD_PROBE_CONTEXT, FORWARD_PROBE_TOKENS
 
 PROBE_CONTEXT = FORWARD_PROBE_CONTEXT  # slot of the probed token
+PROBE_TOKENS = FORWARD_PROBE_TOKENS  # the target's second probe: a verification-sized forward
 WARMUP = 3
 REPEATS = 30  # interleaved over the models: ~1 s for the bundled pair on one core
 REUSE_S = 30.0
@@ -111,42 +112,49 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------- in a run's own processes
-RUN_REPEATS = 5  # per request: median of 5 after 1 warm-up, ~0.15 s for the bundled pair
-PROBE_FIELDS = {"target": "probe_target_s", "draft": "probe_draft_s"}
+RUN_REPEATS = 4  # per reading: median of 4 after 1 warm-up (~0.45 s for the bundled pair)
+MAX_READINGS = 8  # per run: before every request, or every n-th of a long prompt set
+PROBE_FIELDS = {"target": "probe_target_s", "target_k8": "probe_target_k8_s", "draft": "probe_draft_s"}
 
 
 class RunProbe:
-    """Summary fields ``probe_target_s`` / ``probe_draft_s``: the probe forward (one token at slot
-    ``PROBE_CONTEXT``, standardized at the run's sampling settings) of each role's model, timed
-    by a real run in its own processes on its own devices just before each request it decodes,
-    averaged over the requests — the machine as this run found it (``sim.profile_drift=run_probe``
-    scales a prediction of the run by them). On this host the level of a two-process forward
-    moved by 15 % within one 20 s run, so one reading before the first request did not follow
-    the run it stood for; readings before every request do. No time of the run's own decoding
-    is used.
+    """Summary fields ``probe_target_s`` / ``probe_target_k8_s`` / ``probe_draft_s``: the probe
+    forwards of each role's model — one token at slot ``PROBE_CONTEXT`` (and, for the target,
+    ``PROBE_TOKENS`` tokens there too), standardized at the run's sampling settings — timed by a
+    real run in its own processes on its own devices just before the requests it decodes (every
+    one, or every n-th of more than ``MAX_READINGS``) and averaged: the machine as this run found
+    it (``sim.profile_drift=run_probe`` scales a prediction of the run by them). On this host the
+    level of a two-process forward moved by 15 % within one 20 s run, so one reading before the
+    first request did not follow the run it stood for; and a one-token forward (bandwidth-bound)
+    drifted by more than an 8-token one (partly compute-bound): +40 % against +27 % in one run.
+    No time of the run's own decoding is used.
 
-    ``fns``: role -> zero-argument forward. Every rank of a tensor-parallel group takes the same
-    readings (the same forwards in the same order: the group's collectives stay matched), given
-    the group's process ``group``: each forward then starts after a barrier. A TP forward lasts
-    as long as its slowest rank; unaligned, a leader that ran behind its peer never waited for
-    it and timed its own share only (16 ms against 22-33 ms aligned, bundled target at TP 2).
+    ``fns``: field role -> zero-argument forward. Every rank of a tensor-parallel group takes the
+    same readings (the same forwards in the same order: the group's collectives stay matched),
+    given the group's process ``group``: each forward then starts after a barrier. A TP forward
+    lasts as long as its slowest rank; unaligned, a leader that ran behind its peer never waited
+    for it and timed its own share only (16 ms against 22-33 ms aligned, bundled target at TP 2).
     The leader's readings are the run's."""
 
-    def __init__(self, fns: ProbeFns, group: Any = None) -> None:
+    def __init__(self, fns: ProbeFns, group: Any = None, requests: int = 1) -> None:
         self.fns, self.readings = fns, []
+        self.every = max(1, -(-requests // MAX_READINGS))
         self.align = None
         if group is not None:
             import torch.distributed as dist
 
             self.align = lambda: dist.barrier(group=group)
 
-    def take(self) -> dict[str, float]:
+    def take(self, index: int = 0) -> dict[str, float] | None:
+        """A reading before request ``index`` (of every run pass: the same on every rank)."""
+        if index % self.every:
+            return None
         reading = time_functions(self.fns, repeats=RUN_REPEATS, warmup=1, align=self.align)
         self.readings.append(reading)
         return reading
 
     def fields(self) -> dict[str, Any]:
-        if not self.readings:
+        if not self.readings or not self.fns:
             return {}
         out: dict[str, Any] = {PROBE_FIELDS[role]: round(statistics.fmean(r[role] for r in self.readings), 7)
                                for role in self.fns}
@@ -156,26 +164,30 @@ class RunProbe:
 
 def role_probes(target: Any, draft: Any, params: Any) -> ProbeFns:
     """The run's forwards for ``RunProbe``: the target (a real.model.Transformer, maybe a
-    shard) and the draft when it has a forward of its own (a real.drafts model or early-exit
-    draft; not the n-gram lookup). The KV slots written are overwritten by the first prefill."""
-    for model in (target, getattr(draft, "model", None)):
-        if model is not None and model.max_seq < PROBE_CONTEXT + 2:
-            model.setup_cache(PROBE_CONTEXT + 2)
+    shard) at one and ``PROBE_TOKENS`` tokens, and the draft when it has a forward of its own (a
+    real.drafts model or early-exit draft; not the n-gram lookup) at one token. The KV slots
+    written are overwritten by the first prefill."""
     fns: ProbeFns = {}
     if target is not None:
         fns["target"] = model_probe(target, params)
+        fns["target_k8"] = model_probe(target, params, tokens=PROBE_TOKENS)
+    model = getattr(draft, "model", None)
+    if model is not None and model.max_seq < PROBE_CONTEXT + 2:
+        model.setup_cache(PROBE_CONTEXT + 2)
     if draft is not None and getattr(draft, "forward_probs", None) is not None \
             and draft.forward_probs([1], PROBE_CONTEXT) is not None:
         fns["draft"] = lambda: draft.forward_probs([1], PROBE_CONTEXT)
     return fns
 
 
-def model_probe(model: Any, params: Any) -> Callable[[], Any]:
-    """The probe forward of a whole model (or its shard): one token at ``PROBE_CONTEXT`` and its
-    distribution, as the profile's one-token entry times it (``TargetRunner.probs``)."""
+def model_probe(model: Any, params: Any, tokens: int = 1) -> Callable[[], Any]:
+    """The probe forward of a whole model (or its shard): ``tokens`` tokens at ``PROBE_CONTEXT``
+    and their distributions, as the profile's entry for k = ``tokens`` times it
+    (``TargetRunner.probs``)."""
     from real.runners import TargetRunner
 
-    if model.max_seq < PROBE_CONTEXT + 2:
-        model.setup_cache(PROBE_CONTEXT + 2)
+    if model.max_seq < PROBE_CONTEXT + tokens + 1:
+        model.setup_cache(PROBE_CONTEXT + tokens + 1)
     runner = TargetRunner(model, params)
-    return lambda: runner.probs([1], PROBE_CONTEXT)
+    fed = [1] * tokens
+    return lambda: runner.probs(fed, PROBE_CONTEXT)

@@ -49,6 +49,7 @@ trace-split run of each grid point, never the run it predicts).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ from sim.profile_tables import (
     temperature_class,
 )
 from testbed.config import ConfigError, ExperimentConfig
-from testbed.machine import FORWARD_PROBE_CONTEXT
+from testbed.machine import FORWARD_PROBE_CONTEXT, FORWARD_PROBE_TOKENS
 from testbed.paths import profile_path
 
 MIN_ROUNDS = 5  # rescale: rounds of one k needed for a k of its own
@@ -126,30 +127,38 @@ class ProfileCost(CostModel):
                             and s.get("backend") == "real"])
         # sim.profile_drift: the machine now against the profile's, per role
         self.drift_by_role = {"target": 1.0, "draft": 1.0}
+        self.target_factor: Callable[[int], float] | None = None
         if exp.sim.profile_drift == "probe":
             self.drift_by_role = dict.fromkeys(self.scale, self._probe_drift())
         elif exp.sim.profile_drift == "forward":
             self.drift_by_role = self._forward_drift(exp)
         elif exp.sim.profile_drift == "run_probe":  # sim/run_probe.py
-            from sim.run_probe import drift_factors
+            from sim.run_probe import drift_factors, factor_at
 
             modelled = {role: self.probe_seconds(role) for role in ("target", "draft") if role in self._forward}
-            self.drift_by_role, self.drift_run = drift_factors(exp, modelled)
+            modelled["target_k8"] = self.probe_seconds("target", FORWARD_PROBE_TOKENS)
+            factors, self.drift_run = drift_factors(exp, modelled)
+            self.drift_by_role = {"target": factors["target"], "draft": factors["draft"]}
+            self.drift_k8 = factors["target_k8"]
+            one, many = factors["target"], self.drift_k8  # the target's factor per k (factor_at)
+            self.target_factor = lambda k: factor_at(k, one, many, FORWARD_PROBE_TOKENS)
         self.drift = self.drift_by_role["target"]
         self.scale = {role: v * self.drift_by_role[role] for role, v in self.scale.items()}
+        if self.target_factor is not None:  # run_probe: per k, in place of the one-token factor
+            self.scale["target"] /= self.drift
 
-    def probe_seconds(self, role: str) -> float | None:
-        """The profile's time for the probe forward real runs time (real/probe_forward.py): one
-        token at ``FORWARD_PROBE_CONTEXT``, chain-shaped, at the role's TP degree, alone; None
-        for a model without a forward (the n-gram lookup)."""
+    def probe_seconds(self, role: str, tokens: int = 1) -> float | None:
+        """The profile's time for a probe forward real runs time (real/probe_forward.py):
+        ``tokens`` tokens at ``FORWARD_PROBE_CONTEXT``, chain-shaped, at the role's TP degree,
+        alone; None for a model without a forward (the n-gram lookup)."""
         table = self._forward.get(role)
         if not isinstance(table, Table2D):
             return None
-        t = table(1, FORWARD_PROBE_CONTEXT)
+        t = table(tokens, FORWARD_PROBE_CONTEXT)
         factor = self._factor.get(role)
-        return t * factor("chain", 1, FORWARD_PROBE_CONTEXT) if factor is not None else t
+        return t * factor("chain", tokens, FORWARD_PROBE_CONTEXT) if factor is not None else t
 
-    def apply_drift(self, factors: dict[str, float]) -> None:
+    def apply_drift(self, factors: dict[str, float]) -> None:  # (not with run_probe's own per k)
         """Scale ``factors``' roles by them too (a prediction's `ar` baseline takes the
         prediction's own drift: the real run's baseline ran in the same processes)."""
         for role, f in factors.items():
@@ -336,7 +345,13 @@ class ProfileCost(CostModel):
         t = self._forward_unscaled(role, tokens, context, layers, shape, alone)
         if _raw:
             return t
-        return t * (self.scale_k.get(tokens, self.scale["target"]) if role == "target" else self.scale[role])
+        return t * (self.target_scale(tokens) if role == "target" else self.scale[role])
+
+    def target_scale(self, tokens: int) -> float:
+        """The target's multiplier for a forward over ``tokens`` (rescale per k, run_probe per k)."""
+        if self.target_factor is not None:
+            return self.scale["target"] * self.target_factor(tokens)
+        return self.scale_k.get(tokens, self.scale["target"])
 
     def tree_forward(self, role: Role, tokens: int, context: int, alone: bool = False) -> float:
         return self.forward(role, tokens, context, shape="tree", alone=alone)
@@ -381,13 +396,13 @@ class ProfileCost(CostModel):
             return 0.0
         factor = self._factor.get(role)  # a prefill is a long chain: the ratio at the longest k
         ratio = 1.0 if factor is None else factor("chain", prompt_len, 0)
-        return table(prompt_len) * ratio * self.scale[role]
+        return table(prompt_len) * ratio * (self.target_scale(prompt_len) if role == "target" else self.scale[role])
 
     def decode_seconds(self, run_dir: Path) -> dict[int, float]:
         """Modelled decode time per request of a recorded real run, with its own acceptance."""
         out: dict[int, float] = {}
         for rid, k, _, _, m_d, _, m_t in self.recorded_rounds(run_dir):
-            scale_t = self.scale_k.get(k + 1, self.scale["target"])
+            scale_t = self.target_scale(k + 1)
             out[rid] = out.get(rid, 0.0) + m_d * self.scale["draft"] + m_t * scale_t
         return out
 

@@ -77,6 +77,8 @@ def simulate(exp: ExperimentConfig, requests: list[SimRequest], seed: int,
         by_role = getattr(ctx.cost, "drift_by_role", {})
         if "draft" in by_role and exp.schedule.name != "ar":
             ctx.extra["profile_drift_factor_draft"] = round(by_role["draft"], 4)
+        if getattr(ctx.cost, "drift_k8", None) is not None:  # run_probe: the target's at 8 tokens
+            ctx.extra["profile_drift_factor_k8"] = round(ctx.cost.drift_k8, 4)
     if extra is not None:
         extra.update(ctx.extra)
     return rec

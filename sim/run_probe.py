@@ -14,14 +14,19 @@ A prediction with ``run_probe`` finds the real run of its own experiment (the sa
 key and prompt split, and for DSD the same links and τ) among the runs of
 ``acceptance.trace_path`` — in `+sweep=validate` the measure role of the same grid point — and
 scales each role's profile times by (its probe) / (the profile's time for the probe's own shape:
-one token at that slot, chain-shaped, at the role's TP degree, alone). The profile keeps the
-shape in tokens, context, TP degree and contention; the level is the machine's at the run.
-The n-gram draft (no forward) takes the target's factor.
+one token at that slot, chain-shaped, at the role's TP degree, alone). The target is probed at
+one and at ``FORWARD_PROBE_TOKENS`` tokens: a bandwidth-bound one-token forward and a partly
+compute-bound verification drift by different amounts on a shared host (+40 % against +27 %
+within one run), so its factor for a forward over k tokens goes from the one to the other,
+log-linearly in k (``factor_at``). The profile keeps the shape in context, TP degree and
+contention; the level is the machine's at the run. The n-gram draft (no forward) takes the
+target's factor.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +34,7 @@ from testbed.config import ConfigError, ExperimentConfig
 from testbed.metrics import experiment_key
 from testbed.results import run_split
 
-FIELDS = {"target": "probe_target_s", "draft": "probe_draft_s"}
+FIELDS = {"target": "probe_target_s", "target_k8": "probe_target_k8_s", "draft": "probe_draft_s"}
 HOWTO = ("real runs record it since 2026-11-25: run the measurement again (`+sweep=validate` runs "
          "it before each prediction), or use sim.profile_drift=forward")
 
@@ -79,15 +84,28 @@ def measured_run(exp: ExperimentConfig) -> tuple[Path, dict[str, Any]]:
 
 
 def drift_factors(exp: ExperimentConfig, modelled_probe: dict[str, float | None]) -> tuple[dict[str, float], Path]:
-    """Per role: the measured run's probe over the profile's time for it (``modelled_probe``:
-    role -> seconds, None for a role without a forward); and the run it came from."""
+    """Per probe (``target``, ``target_k8``, ``draft``): the measured run's probe over the
+    profile's time for it (``modelled_probe``: probe -> seconds, None for a model without a
+    forward); and the run it came from. A draft without a forward takes the target's factor;
+    a run without the target's second probe, the first one's."""
     run_dir, s = measured_run(exp)
     out: dict[str, float] = {}
-    for role, modelled in modelled_probe.items():
-        measured = s.get(FIELDS[role])
+    for probe, modelled in modelled_probe.items():
+        measured = s.get(FIELDS[probe])
         if modelled and measured:
-            out[role] = float(measured) / modelled
+            out[probe] = float(measured) / modelled
     if "target" not in out:
         raise ConfigError("sim.profile_drift", "run_probe", f"a run whose target probe is positive "
                           f"({run_dir} has {s.get(FIELDS['target'])!r})")
-    return {role: out.get(role, out["target"]) for role in ("target", "draft")}, run_dir
+    return {probe: out.get(probe, out["target"]) for probe in ("target", "target_k8", "draft")}, run_dir
+
+
+def factor_at(tokens: int, one: float, many: float, many_tokens: int) -> float:
+    """The target's drift factor for a forward over ``tokens``: the one-token probe's at one
+    token, the ``many_tokens`` probe's from there on, log-linear in between (a forward turns
+    from bandwidth-bound to partly compute-bound as k grows, and the two drift differently)."""
+    if tokens <= 1:
+        return one
+    if tokens >= many_tokens:
+        return many
+    return one + (many - one) * math.log(tokens) / math.log(many_tokens)

@@ -21,6 +21,7 @@ import numpy as np
 PROBE_MB = 64  # per buffer: well above any last-level cache of the hosts we run on
 # the models' probe forward (real/probe_forward.py): one token at this KV slot, on both backends
 FORWARD_PROBE_CONTEXT = 64  # the smallest context of the profile's tables
+FORWARD_PROBE_TOKENS = 8  # the target's second probe (a verification's size): in-run drift by k
 PROBE_REPEATS = 5
 
 

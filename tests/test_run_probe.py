@@ -4,6 +4,7 @@ forward the measured run of the same experiment timed in its own processes befor
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -42,10 +43,12 @@ def test_each_role_is_scaled_to_the_measured_runs_probe(tmp_path) -> None:  # ty
     pair = "smollm2_135m+smollm2_exit10"
     plain = ProfileCost(_predict(tmp_path, pair))
     probe = {role: plain.probe_seconds(role) for role in ("target", "draft")}
-    # the measured run found the machine 1.3x (target) and 0.8x (draft) the profile's speed;
-    # another γ's run and this experiment's trace-split run must not be taken for it
+    # the measured run found one-token forwards 1.3x (target) and 0.8x (draft) the profile's
+    # times, the target's 8-token forward 1.1x; another γ's run and this experiment's
+    # trace-split run must not be taken for it
     _write_real_run(tmp_path / "runs" / "0", f"pair={pair}", "workload.split=test",
-                    probes={"probe_target_s": 1.3 * probe["target"], "probe_draft_s": 0.8 * probe["draft"]})
+                    probes={"probe_target_s": 1.3 * probe["target"], "probe_draft_s": 0.8 * probe["draft"],
+                            "probe_target_k8_s": 1.1 * plain.probe_seconds("target", 8)})
     _write_real_run(tmp_path / "runs" / "1", f"pair={pair}", "workload.split=test", "schedule.gamma=5",
                     probes={"probe_target_s": 9.0, "probe_draft_s": 9.0})
     _write_real_run(tmp_path / "runs" / "2", f"pair={pair}", "workload.split=trace",
@@ -53,7 +56,9 @@ def test_each_role_is_scaled_to_the_measured_runs_probe(tmp_path) -> None:  # ty
     drifted = ProfileCost(_predict(tmp_path, pair, "sim.profile_drift=run_probe"))
     assert drifted.drift_by_role == pytest.approx({"target": 1.3, "draft": 0.8})
     assert drifted.drift_run == tmp_path / "runs" / "0"
-    for role, k, factor in (("target", 5, 1.3), ("draft", 1, 0.8)):
+    at4 = 1.3 + (1.1 - 1.3) * math.log(4) / math.log(8)  # log-linear in k between the probes
+    for role, k, factor in (("target", 1, 1.3), ("target", 4, at4), ("target", 8, 1.1), ("target", 16, 1.1),
+                            ("draft", 1, 0.8), ("draft", 3, 0.8)):
         assert drifted.forward(role, k, 300) == pytest.approx(factor * plain.forward(role, k, 300))
 
 
@@ -73,7 +78,7 @@ def test_the_ngram_draft_takes_the_targets_factor_and_a_missing_run_is_one_clear
 
 def test_the_predictions_ar_baseline_takes_its_drift(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The real run's `ar` baseline ran in its processes: the simulated baseline is scaled alike
-    (it has no real run of its own to look up)."""
+    (it has no real run of its own to look up), by the one-token factor."""
     from sim.engine import run
 
     pair = "smollm2_135m+smollm2_exit10"
@@ -81,7 +86,7 @@ def test_the_predictions_ar_baseline_takes_its_drift(tmp_path) -> None:  # type:
     t = ProfileCost(plain_exp).probe_seconds("target")
     _write_real_run(tmp_path / "runs" / "0", f"pair={pair}", "workload.split=trace", rounds=True, probes={})
     _write_real_run(tmp_path / "runs" / "1", f"pair={pair}", "workload.split=test",
-                    probes={"probe_target_s": 1.5 * t})
+                    probes={"probe_target_s": 1.5 * t, "probe_target_k8_s": 9.0})
     plain = run(plain_exp)
     drifted = run(_predict(tmp_path, pair, "sim.profile_drift=run_probe"))
     assert drifted.extra["profile_drift_factor"] == pytest.approx(1.5)

@@ -213,16 +213,18 @@ def probe_before_request(side: Side, role: str, req: RealRequest) -> None:
     while the draft group waits, then the draft group its own while the target waits
     (``side.probe``, a real.probe_forward.RunProbe; the n-gram draft has none). Each alone, as
     the profile's probe and the simulator's drift factor take them."""
-    rid = req.request_id
+    rid, index = req.request_id, req.request_id
+    if index % side.probe.every:
+        return  # not a reading's turn (RunProbe: at most MAX_READINGS per run)
     if role == "target":
         side.peer.recv()  # the draft waits
-        side.probe.take()
+        side.probe.take(index)
         side.peer.send(Message(Kind.DATA, request_id=rid))
         side.peer.recv()  # the draft has taken its reading
     else:
         side.peer.send(Message(Kind.DATA, request_id=rid))
         side.peer.recv()  # the target has taken its reading
-        side.probe.take()
+        side.probe.take(index)
         side.peer.send(Message(Kind.DATA, request_id=rid))
 
 
