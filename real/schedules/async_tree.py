@@ -55,7 +55,8 @@ from testbed.spec.sampling import SamplingParams
 from testbed.spec.tree import TreeBatch
 from testbed.spec.tree_drafter import DraftSource, TreeDrafter, TreeKvStats, async_depth
 
-PROBE_REPEATS = 15  # per model for d (median, after one warm-up): 5 swung d by ±3 on this host
+PROBE_REPEATS = 15  # per model for d (after one warm-up): 5 swung d by ±3 on this host
+PROBE_TURNS = 5  # ... timed in 5 alternating turns of 3 (probe_draft)
 
 
 class StaleTree(RuntimeError):
@@ -147,61 +148,75 @@ def unpack_batch(msg: Message, mode: str) -> tuple[TreeBatch, float, float]:
 
 
 # --------------------------------------------------------------------------- choose d
-def _time_forward(side: Side, n: int, context: int) -> float:
-    """Median seconds of a forward over ``n`` tokens after ``context`` cache entries (the
-    entries' values do not matter for the time; the request's prefill overwrites them)."""
+def _forward_timer(side: Side, n: int, context: int) -> Callable[[], float]:
+    """Seconds of one forward over ``n`` tokens after ``context`` cache entries (the entries'
+    values do not matter for the time; the request's prefill overwrites them)."""
     pos = torch.arange(context, context + n)
     mask = torch.ones(n, context + n, dtype=torch.bool)
-    side.fwd.logits([0] * n, input_pos=pos, mask=mask, position_ids=pos)  # warm-up
-    times = []
-    for _ in range(PROBE_REPEATS):
+
+    def timed() -> float:
         t = side.now()
         side.fwd.logits([0] * n, input_pos=pos, mask=mask, position_ids=pos)
-        times.append(side.now() - t)
-    return sorted(times)[len(times) // 2]
+        return side.now() - t
+    timed()  # warm-up
+    return timed
 
 
-def _time_expansion(side: Side, exp: Any, req: RealRequest) -> float:
-    """Median seconds of one tree expansion as the draft worker does d of them a round: the
-    forward over the w leaves, their distributions, the children picked and the tree grown (the
-    simulator charges tree_forward + tree_expand_extra for the same), on a fresh tree at the
-    middle of ``req`` (the KV entries written are overwritten by the request's own prefill)."""
+def _expansion_timer(side: Side, exp: Any, req: RealRequest) -> Callable[[], float | None]:
+    """Seconds of one tree expansion as the draft worker does d of them a round: the forward
+    over the w leaves, their distributions, the children picked and the tree grown (the
+    simulator charges tree_forward + tree_expand_extra for the same), on a tree grown at the
+    middle of ``req`` (the KV entries written are overwritten by the request's own prefill);
+    None once the tree cannot grow."""
     s = exp.schedule
     ids = list(req.prompt_ids) + [req.prompt_ids[-1]] * (req.max_new_tokens // 2)
     drafter = TreeDrafter(side.new_draft_source(ids, torch.Generator().manual_seed(0)),
                           width=s.tree_width, budget=s.tree_budget)
-    drafter.expand()  # warm-up
-    times = []
-    for _ in range(PROBE_REPEATS):
+
+    def timed() -> float | None:
         t = side.now()
-        if drafter.expand() is None:
-            break
-        times.append(side.now() - t)
+        return None if drafter.expand() is None else side.now() - t
+    timed()  # warm-up
+    return timed
+
+
+def _median(times: list[float]) -> float:
     return sorted(times)[len(times) // 2] if times else 0.0
 
 
 def probe_target(side: Side, exp: Any, req: RealRequest) -> None:
-    """Target group: time one verification forward at the middle of ``req``, tell the draft."""
+    """Target group: time verification forwards at the middle of ``req`` in turns with the draft
+    group's expansions (``probe_draft``), each group alone, and send each turn's median."""
     ref = len(req.prompt_ids) + req.max_new_tokens // 2
-    side.peer.recv()  # the draft group is loaded (and waits): time the verification alone
-    t = _time_forward(side, exp.schedule.tree_budget, ref)
-    side.peer.send(Message(Kind.DATA, request_id=req.request_id,
-                           tensors=(torch.tensor([t], dtype=torch.float64),)))
+    timed = _forward_timer(side, exp.schedule.tree_budget, ref)
+    for _ in range(PROBE_TURNS):
+        side.peer.recv()  # the draft group waits: time the verification alone
+        t = _median([timed() for _ in range(PROBE_REPEATS // PROBE_TURNS)])
+        side.peer.send(Message(Kind.DATA, request_id=req.request_id,
+                               tensors=(torch.tensor([t], dtype=torch.float64),)))
     side.peer.recv()  # the draft's answer: the link's one-way time and d, for the summary
 
 
 def probe_draft(side: Side, exp: Any, req: RealRequest) -> tuple[int, float, float]:
-    """Draft group: (d, t_target, t_draft) from the target's measured forward, the message's
-    one-way time (both messages of a round) and an expansion timed here."""
+    """Draft group: (d, t_target, t_draft) from the target's verification forwards, the
+    message's one-way time (both messages of a round) and the expansions timed here. The two
+    groups time in ``PROBE_TURNS`` alternating turns, each alone (the simulator's choose_depth
+    likewise takes the uncontended figures): one group's figure measured seconds after the
+    other's read a different machine on this host (t_target 82 against 65-69 ms in the runs
+    around it, and d = 12 where 8-9 was right: 20 % fewer tokens/s)."""
     s = exp.schedule
-    side.peer.send(Message(Kind.DATA, request_id=req.request_id))  # loaded
-    # one after the other, each forward alone (the simulator's choose_depth likewise takes the
-    # uncontended figures): timed at once, the draft's short timing ended long before the
-    # target's, which then read its forward alone anyway
-    msg = side.peer.recv()
-    one_way = side.peer.share(max(0.0, side.now() - msg.sent_s))  # the leader's reading for everyone
-    t_draft = side.peer.share(_time_expansion(side, exp, req))  # (the leader's, as one_way)
-    t_target = float(msg.tensors[0][0]) + 2 * one_way
+    timed = _expansion_timer(side, exp, req)
+    targets: list[float] = []
+    drafts: list[float] = []
+    one_way = 0.0
+    for _ in range(PROBE_TURNS):
+        side.peer.send(Message(Kind.DATA, request_id=req.request_id))  # the target's turn
+        msg = side.peer.recv()
+        one_way = side.peer.share(max(0.0, side.now() - msg.sent_s))  # the leader's reading for everyone
+        targets.append(float(msg.tensors[0][0]))
+        drafts += [t for t in (timed() for _ in range(PROBE_REPEATS // PROBE_TURNS)) if t is not None]
+    t_draft = side.peer.share(_median(drafts))  # (the leader's, as one_way)
+    t_target = _median(targets) + 2 * one_way
     depth = async_depth(tree_depth=s.tree_depth, t_target=t_target, t_draft=t_draft)
     side.peer.send(Message(Kind.DATA, request_id=req.request_id, version=depth,
                            tensors=(torch.tensor([t_target, t_draft], dtype=torch.float64),)))
