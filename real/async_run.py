@@ -114,9 +114,9 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
             apply_tp(model, rank=ctx.info.index, world=ctx.group.tp, group=ctx.tp_group(),
                      allreduce=exp.real.allreduce)
         rec = ctx.rec if ctx.is_leader else RunRecorder()
-        fns = {} if model is None else {role: model_probe(model, params)}
-        if role == "target":
-            fns["target_k8"] = model_probe(model, params, tokens=PROBE_TOKENS)
+        fns = {} if model is None else {role: model_probe(model, params),  # (RunProbe's fields)
+                                        f"{role}_k8": model_probe(model, params, tokens=PROBE_TOKENS,
+                                                                  distributions=role == "target")}
         probe = RunProbe(fns, group=ctx.tp_group() if ctx.group.tp > 1 else None, requests=len(requests))
         side = Side(model, LocalModel(model) if model is not None else None, params, peer, rec,
                     ctx.now, exp.seed, draft_source=ngram_source(exp, params, vocab), probe=probe)

@@ -114,7 +114,8 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
 # ------------------------------------------------------------------- in a run's own processes
 RUN_REPEATS = 4  # per reading: median of 4 after 1 warm-up (~0.45 s for the bundled pair)
 MAX_READINGS = 8  # per run: before every request, or every n-th of a long prompt set
-PROBE_FIELDS = {"target": "probe_target_s", "target_k8": "probe_target_k8_s", "draft": "probe_draft_s"}
+PROBE_FIELDS = {"target": "probe_target_s", "target_k8": "probe_target_k8_s", "draft": "probe_draft_s",
+                "draft_k8": "probe_draft_k8_s"}
 
 
 class RunProbe:
@@ -177,17 +178,23 @@ def role_probes(target: Any, draft: Any, params: Any) -> ProbeFns:
     if draft is not None and getattr(draft, "forward_probs", None) is not None \
             and draft.forward_probs([1], PROBE_CONTEXT) is not None:
         fns["draft"] = lambda: draft.forward_probs([1], PROBE_CONTEXT)
+    if model is not None:  # a draft model of its own: its tree expansions' size too
+        fns["draft_k8"] = model_probe(model, params, tokens=PROBE_TOKENS, distributions=False)
     return fns
 
 
-def model_probe(model: Any, params: Any, tokens: int = 1) -> Callable[[], Any]:
+def model_probe(model: Any, params: Any, tokens: int = 1, distributions: bool = True) -> Callable[[], Any]:
     """The probe forward of a whole model (or its shard): ``tokens`` tokens at ``PROBE_CONTEXT``
-    and their distributions, as the profile's entry for k = ``tokens`` times it
-    (``TargetRunner.probs``)."""
+    and their distributions, as the profile's main table times k = ``tokens``
+    (``TargetRunner.probs``); or every row's logits only (``distributions=False``), as its TP
+    tables time a draft's tree expansion."""
     from real.runners import TargetRunner
 
     if model.max_seq < PROBE_CONTEXT + tokens + 1:
         model.setup_cache(PROBE_CONTEXT + tokens + 1)
-    runner = TargetRunner(model, params)
     fed = [1] * tokens
+    if not distributions:
+        x = torch.tensor([fed], device=model.device)
+        return lambda: model(x, input_pos=PROBE_CONTEXT)
+    runner = TargetRunner(model, params)
     return lambda: runner.probs(fed, PROBE_CONTEXT)

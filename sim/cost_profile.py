@@ -49,7 +49,6 @@ trace-split run of each grid point, never the run it predicts).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +65,7 @@ from sim.profile_tables import (
     temperature_class,
 )
 from testbed.config import ConfigError, ExperimentConfig
-from testbed.machine import FORWARD_PROBE_CONTEXT, FORWARD_PROBE_TOKENS
+from testbed.machine import FORWARD_PROBE_CONTEXT
 from testbed.paths import profile_path
 
 MIN_ROUNDS = 5  # rescale: rounds of one k needed for a k of its own
@@ -125,40 +124,26 @@ class ProfileCost(CostModel):
             runs = select_trace_runs(Path(exp.acceptance.trace_path).expanduser(), exp)
             self.fit_scale([d for d, s in runs if s.get("hardware") == exp.hardware.name
                             and s.get("backend") == "real"])
-        # sim.profile_drift: the machine now against the profile's, per role
-        self.drift_by_role = {"target": 1.0, "draft": 1.0}
-        self.target_factor: Callable[[int], float] | None = None
-        if exp.sim.profile_drift == "probe":
-            self.drift_by_role = dict.fromkeys(self.scale, self._probe_drift())
-        elif exp.sim.profile_drift == "forward":
-            self.drift_by_role = self._forward_drift(exp)
-        elif exp.sim.profile_drift == "run_probe":  # sim/run_probe.py
-            from sim.run_probe import drift_factors, factor_at
+        # sim.profile_drift: the machine now against the profile's, per role (sim/profile_drift.py)
+        from sim.profile_drift import apply_profile_drift
 
-            modelled = {role: self.probe_seconds(role) for role in ("target", "draft") if role in self._forward}
-            modelled["target_k8"] = self.probe_seconds("target", FORWARD_PROBE_TOKENS)
-            factors, self.drift_run = drift_factors(exp, modelled)
-            self.drift_by_role = {"target": factors["target"], "draft": factors["draft"]}
-            self.drift_k8 = factors["target_k8"]
-            one, many = factors["target"], self.drift_k8  # the target's factor per k (factor_at)
-            self.target_factor = lambda k: factor_at(k, one, many, FORWARD_PROBE_TOKENS)
-        self.drift = self.drift_by_role["target"]
-        self.scale = {role: v * self.drift_by_role[role] for role, v in self.scale.items()}
-        if self.target_factor is not None:  # run_probe: per k, in place of the one-token factor
-            self.scale["target"] /= self.drift
+        apply_profile_drift(self, exp)
 
     def probe_seconds(self, role: str, tokens: int = 1) -> float | None:
         """The profile's time for a probe forward real runs time (real/probe_forward.py):
-        ``tokens`` tokens at ``FORWARD_PROBE_CONTEXT``, chain-shaped, at the role's TP degree,
-        alone; None for a model without a forward (the n-gram lookup)."""
+        ``tokens`` tokens at ``FORWARD_PROBE_CONTEXT`` at the role's TP degree, alone — chain-shaped
+        with distributions (the target), every row's logits (a draft over more than one token, as
+        its tree expansions); None for a model without such a forward (the n-gram lookup)."""
         table = self._forward.get(role)
         if not isinstance(table, Table2D):
             return None
+        if role == "draft" and tokens > 1:
+            return None if self._tree_draft is None else self._tree_draft(tokens, FORWARD_PROBE_CONTEXT)
         t = table(tokens, FORWARD_PROBE_CONTEXT)
         factor = self._factor.get(role)
         return t * factor("chain", tokens, FORWARD_PROBE_CONTEXT) if factor is not None else t
 
-    def apply_drift(self, factors: dict[str, float]) -> None:  # (not with run_probe's own per k)
+    def apply_drift(self, factors: dict[str, float]) -> None:
         """Scale ``factors``' roles by them too (a prediction's `ar` baseline takes the
         prediction's own drift: the real run's baseline ran in the same processes)."""
         for role, f in factors.items():
@@ -166,34 +151,6 @@ class ProfileCost(CostModel):
                 self.scale[role] *= f
                 self.drift_by_role[role] = self.drift_by_role.get(role, 1.0) * f
         self.drift = self.drift_by_role["target"]
-
-    def _forward_drift(self, exp: ExperimentConfig) -> dict[str, float]:
-        from testbed.backends import hook
-        from testbed.machine import forward_drift_factors
-
-        recorded = self.profile.get("probe", {}).get("forward_s") or {}
-        probed = [self.names["target"]] + ([] if self.ar or self.kinds["draft"] == "ngram" else [self.names["draft"]])
-        missing = [n for n in probed if n not in recorded]
-        if missing:
-            raise ConfigError("sim.profile_drift", "forward",
-                              f"none or probe: the profile {self.path} has no forward probe of "
-                              f"{', '.join(missing)} (measured before this version, or without that model); "
-                              f"re-measure it with `{CALIBRATE_CMD}`")
-        probe = hook("probe_forward")
-        if probe is None:
-            raise ConfigError("sim.profile_drift", "forward", "none: the forward probe needs the real backend")
-        roles = {"target": self.names["target"], "draft": self.names["draft"]}
-        return forward_drift_factors(recorded, probe(exp), roles)
-
-    def _probe_drift(self) -> float:
-        from testbed.machine import drift_factor, probe_now
-
-        probe = self.profile.get("probe", {})
-        if not probe.get("gbps"):
-            raise ConfigError("sim.profile_drift", "probe",
-                              f"none: the profile {self.path} has no bandwidth probe (measured before "
-                              f"this version); re-measure it with `{CALIBRATE_CMD}`")
-        return drift_factor(float(probe["gbps"]), probe_now())
 
     def _model(self, role: str) -> dict[str, Any]:
         models = self.profile.get("models", {})
@@ -345,13 +302,14 @@ class ProfileCost(CostModel):
         t = self._forward_unscaled(role, tokens, context, layers, shape, alone)
         if _raw:
             return t
-        return t * (self.target_scale(tokens) if role == "target" else self.scale[role])
+        return t * self.role_scale(role, tokens)
 
-    def target_scale(self, tokens: int) -> float:
-        """The target's multiplier for a forward over ``tokens`` (rescale per k, run_probe per k)."""
-        if self.target_factor is not None:
-            return self.scale["target"] * self.target_factor(tokens)
-        return self.scale_k.get(tokens, self.scale["target"])
+    def role_scale(self, role: str, tokens: int) -> float:
+        """The multiplier of ``role``'s forward over ``tokens``: the rescale (per k for the
+        target) or the drift; under run_probe the drift per k (sim/profile_drift.py)."""
+        if self.k_factor is not None:
+            return self.scale[role] * self.k_factor(role, tokens)
+        return self.scale_k.get(tokens, self.scale["target"]) if role == "target" else self.scale[role]
 
     def tree_forward(self, role: Role, tokens: int, context: int, alone: bool = False) -> float:
         return self.forward(role, tokens, context, shape="tree", alone=alone)
@@ -359,7 +317,7 @@ class ProfileCost(CostModel):
     def tree_expand_extra(self, leaves: int) -> float:
         # on every rank of a TP group alike (each selects over the whole vocabulary): no TP factor
         table = self._tree_expand
-        return 0.0 if table is None else table(leaves) * self.scale["draft"]
+        return 0.0 if table is None else table(leaves) * self.role_scale("draft", leaves)
 
     def _forward_unscaled(self, role: Role, tokens: int, context: int,
                           layers: tuple[int, int] | None, shape: str = "chain", alone: bool = False) -> float:
@@ -396,14 +354,13 @@ class ProfileCost(CostModel):
             return 0.0
         factor = self._factor.get(role)  # a prefill is a long chain: the ratio at the longest k
         ratio = 1.0 if factor is None else factor("chain", prompt_len, 0)
-        return table(prompt_len) * ratio * (self.target_scale(prompt_len) if role == "target" else self.scale[role])
+        return table(prompt_len) * ratio * self.role_scale(role, prompt_len)
 
     def decode_seconds(self, run_dir: Path) -> dict[int, float]:
         """Modelled decode time per request of a recorded real run, with its own acceptance."""
         out: dict[int, float] = {}
         for rid, k, _, _, m_d, _, m_t in self.recorded_rounds(run_dir):
-            scale_t = self.target_scale(k + 1)
-            out[rid] = out.get(rid, 0.0) + m_d * self.scale["draft"] + m_t * scale_t
+            out[rid] = out.get(rid, 0.0) + m_d * self.role_scale("draft", 1) + m_t * self.role_scale("target", k + 1)
         return out
 
     @property

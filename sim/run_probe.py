@@ -34,7 +34,8 @@ from testbed.config import ConfigError, ExperimentConfig
 from testbed.metrics import experiment_key
 from testbed.results import run_split
 
-FIELDS = {"target": "probe_target_s", "target_k8": "probe_target_k8_s", "draft": "probe_draft_s"}
+FIELDS = {"target": "probe_target_s", "target_k8": "probe_target_k8_s", "draft": "probe_draft_s",
+          "draft_k8": "probe_draft_k8_s"}
 HOWTO = ("real runs record it since 2026-11-25: run the measurement again (`+sweep=validate` runs "
          "it before each prediction), or use sim.profile_drift=forward")
 
@@ -84,10 +85,10 @@ def measured_run(exp: ExperimentConfig) -> tuple[Path, dict[str, Any]]:
 
 
 def drift_factors(exp: ExperimentConfig, modelled_probe: dict[str, float | None]) -> tuple[dict[str, float], Path]:
-    """Per probe (``target``, ``target_k8``, ``draft``): the measured run's probe over the
-    profile's time for it (``modelled_probe``: probe -> seconds, None for a model without a
-    forward); and the run it came from. A draft without a forward takes the target's factor;
-    a run without the target's second probe, the first one's."""
+    """Per probe (``target``, ``target_k8``, ``draft``, ``draft_k8``): the measured run's probe
+    over the profile's time for it (``modelled_probe``: probe -> seconds, None for a model
+    without such a forward); and the run it came from. A draft without a forward takes the
+    target's factors; a missing multi-token probe, the role's one-token factor."""
     run_dir, s = measured_run(exp)
     out: dict[str, float] = {}
     for probe, modelled in modelled_probe.items():
@@ -97,7 +98,10 @@ def drift_factors(exp: ExperimentConfig, modelled_probe: dict[str, float | None]
     if "target" not in out:
         raise ConfigError("sim.profile_drift", "run_probe", f"a run whose target probe is positive "
                           f"({run_dir} has {s.get(FIELDS['target'])!r})")
-    return {probe: out.get(probe, out["target"]) for probe in ("target", "target_k8", "draft")}, run_dir
+    draft = out.get("draft")
+    return {"target": out["target"], "target_k8": out.get("target_k8", out["target"]),
+            "draft": out["target"] if draft is None else draft,
+            "draft_k8": out.get("draft_k8", out.get("target_k8", out["target"]) if draft is None else draft)}, run_dir
 
 
 def factor_at(tokens: int, one: float, many: float, many_tokens: int) -> float:

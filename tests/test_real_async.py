@@ -76,6 +76,7 @@ def test_async_on_two_processes_equals_ar_at_temperature_0(tiny_pair) -> None:  
     assert x["tree_depth_used"] == async_depth(tree_depth=0, t_target=x["t_target_ms"], t_draft=x["t_draft_ms"])
     # each group timed its model's probe forward before decoding (sim.profile_drift=run_probe)
     assert x["probe_target_s"] > 0 and x["probe_draft_s"] > 0
+    assert x["probe_target_k8_s"] > 0 and x["probe_draft_k8_s"] > 0
     rounds, _, timeline = res.recorder.frames()
     assert (rounds.verified_tokens <= 6).all() and (rounds.accepted <= rounds.drafted).all()
     kinds = set(zip(timeline.resource, timeline.kind))
@@ -122,6 +123,7 @@ def test_async_with_the_ngram_draft_equals_ar_on_two_processes(tiny_pair) -> Non
     assert all(len(o) == 24 for o in spec) and res.extra["processes"] == 2
     assert res.extra["draft"] == "ngram3" and res.extra["tree_depth_used"] == 2
     assert res.extra["probe_target_s"] > 0 and "probe_draft_s" not in res.extra  # no forward to probe
+    assert "probe_draft_k8_s" not in res.extra
     assert live_workers() == []
 
 

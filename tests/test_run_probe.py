@@ -48,7 +48,7 @@ def test_each_role_is_scaled_to_the_measured_runs_probe(tmp_path) -> None:  # ty
     # trace-split run must not be taken for it
     _write_real_run(tmp_path / "runs" / "0", f"pair={pair}", "workload.split=test",
                     probes={"probe_target_s": 1.3 * probe["target"], "probe_draft_s": 0.8 * probe["draft"],
-                            "probe_target_k8_s": 1.1 * plain.probe_seconds("target", 8)})
+                            "probe_target_k8_s": 1.1 * plain.probe_seconds("target", 8)})  # no draft_k8
     _write_real_run(tmp_path / "runs" / "1", f"pair={pair}", "workload.split=test", "schedule.gamma=5",
                     probes={"probe_target_s": 9.0, "probe_draft_s": 9.0})
     _write_real_run(tmp_path / "runs" / "2", f"pair={pair}", "workload.split=trace",
