@@ -93,3 +93,21 @@ def test_the_predictions_ar_baseline_takes_its_drift(tmp_path) -> None:  # type:
 
     base_plain, base_drifted = plain.baseline.frames()[0], drifted.baseline.frames()[0]
     assert base_drifted.target_s.sum() == pytest.approx(1.5 * base_plain.target_s.sum())
+
+
+def test_a_run_probe_reads_before_every_nth_request_and_trims_outliers() -> None:
+    """real/probe_forward.RunProbe: at most MAX_READINGS readings a run, spread over its
+    requests; the summary field is the mean without the lowest and highest reading."""
+    from real.probe_forward import MAX_READINGS, RunProbe
+
+    calls: list[str] = []
+    probe = RunProbe({"target": lambda: calls.append("t"), "draft": lambda: calls.append("d")},
+                     requests=3 * MAX_READINGS)
+    taken = [i for i in range(3 * MAX_READINGS) if probe.take(i) is not None]
+    assert taken == list(range(0, 3 * MAX_READINGS, 3))
+    assert calls[:2] == ["t", "d"]  # interleaved per repeat
+    probe.readings = [{"target": v, "draft": 1.0} for v in (0.020, 0.021, 0.022, 0.023, 0.090)]
+    fields = probe.fields()
+    assert fields["probe_target_s"] == pytest.approx(0.022)  # 0.020 and the 0.090 burst dropped
+    assert fields["probe_draft_s"] == pytest.approx(1.0) and fields["probe_points"] == 5
+    assert RunProbe({}).fields() == {}
