@@ -86,7 +86,7 @@ def test_wan_sweep_on_the_real_backend_measures_and_predicts_every_point() -> No
     assert predict.backend == "sim" and predict.sim.cost_model == "profile"  # backend=real does not win
     assert (predict.placement.nodes, predict.network.latency_ms, predict.schedule.tau) == (4, 50.0, 0.2)
     assert not predict.sim.profile_rescale and predict.acceptance.oracle == "trace"
-    assert predict.sim.profile_drift == "forward"  # the machine now, from a probe, not from a run
+    assert predict.sim.profile_drift == "run_probe"  # the measured run's probes, not its timings
 
 
 def _write(tmp: Path, name: str, *overrides: str) -> None:
