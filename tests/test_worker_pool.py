@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -128,6 +129,9 @@ def test_a_joblib_sweep_gives_the_basic_launchers_results_and_leaves_no_process(
         # the sweep leaves through os._exit: what it printed last was flushed first
         assert out.rstrip().splitlines()[-1] == f"sweep report: {sweep / 'report.html'}"
         assert not list(tmp.glob("specbed-joblib-*")), "the jobs' shared state was left behind"
+        # ... and the exit handlers ran: joblib's shared-memory folders removed, loky's tracker quiet
+        assert "leaked" not in err, err[-2000:]
+        assert not list(Path("/dev/shm").glob(f"joblib_memmapping_folder_{proc.pid}_*"))
         tables[launcher] = pd.read_parquet(sweep / "results.parquet")
     assert len(tables["joblib"]) == 3 and set(tables["joblib"]["status"]) == {"ok"}
     cols = [c for c in tables["basic"].columns if c not in ("run_dir", "path", "job")]
