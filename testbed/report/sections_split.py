@@ -94,10 +94,16 @@ def _plot(pairs: pd.DataFrame, path: str) -> None:
         ax.set_xticks(list(x))
         ax.set_xticklabels(g["split"])
         ax.set_ylabel("decode tokens/s")
-        ax.set_title(" · ".join(str(k) for k in key), fontsize=8)
+        ax.set_title(_group_label(key), fontsize=8)
         ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     savefig(fig, path)
+
+
+def _group_label(key: tuple) -> str:
+    """pair · hardware · workload · T=temperature (a bare 0.0 reads as nothing)."""
+    *names, temperature = key
+    return " · ".join([*map(str, names), f"T={float(temperature):g}"])
 
 
 @section(23, "GPU split on this machine: predicted vs measured")
@@ -127,7 +133,7 @@ def gpu_split_measured(ctx: ReportContext) -> str:
                                                            pd.Series([None] * len(g)))],
         })
         err = g["tokens_per_s_error_pct"].abs()
-        lines.append(f"**{' · '.join(str(k) for k in key)}** — median |error| {err.median():.1f} %, "
+        lines.append(f"**{_group_label(key)}** — median |error| {err.median():.1f} %, "
                      f"worst {err.max():.1f} %; the simulator ranks the splits "
                      f"{'in the measured order' if same_ranking(g) else 'NOT in the measured order'}.\n")
         lines.append(markdown_table(table) + "\n")
