@@ -16,6 +16,17 @@ temperature class, not on the model's layers) as
     "tree_expand": {cls: {"leaves": [...], "seconds": [...], "raw": [...]}}
 
 and charged by the simulator per expansion (sim/tree_tokens.TimedTreeDrafter).
+
+`async` does two more things per round on the draft's side, both on the critical path (the
+target waits for the next subtree): it selects the subtree of bs nodes and packs it into a
+message, and, once the verified tokens are back, re-roots the tree and compacts its KV slots.
+In real runs of the bundled pair they took ~1.8 % of decode time (select 0.4 ms, re-root 0.6 ms
+per ~65 ms round), which the simulator charged nothing. Timed on the same grown trees (width n,
+budget 2n, the re-root to the top path of two tokens, whose subtree survives) as
+
+    "tree_async": {cls: {"leaves": [...], "select_s": [...], "advance_s": [...]}}
+
+    python -m real.calibrate_tree [PROFILE]     re-measures both tables of PROFILE's drafts in place
 """
 
 from __future__ import annotations
@@ -96,6 +107,41 @@ def _grow(timed: TimedForward, params: SamplingParams, history: list[int], gen: 
                         raw[n].append(took)
 
 
+def time_bookkeeping(model: Any, vocab: int, params: SamplingParams, *, leaves: Sequence[int] = LEAVES,
+                     passes: int = PASSES, history_len: int = 64) -> dict[str, Any]:
+    """Median seconds of ``async``'s per-round draft bookkeeping on trees of width n (each n of
+    ``leaves``, budget 2n) grown ``GROWN`` times: select + pack the subtree, and re-root + KV
+    compaction on the two tokens of the tree's top path."""
+    from real.schedules.async_tree import pack_batch
+    from real.tree_tokens import DraftTreeTokens
+    from testbed.spec.tree_drafter import TreeDrafter
+
+    gen = torch.Generator().manual_seed(1)
+    history = torch.randint(vocab, (history_len,), generator=gen).tolist()
+    select: dict[int, list[float]] = {n: [] for n in leaves}
+    advance: dict[int, list[float]] = {n: [] for n in leaves}
+    gc.collect()
+    with torch.inference_mode():
+        for _ in range(passes):
+            for n in leaves:
+                drafter = TreeDrafter(DraftTreeTokens(model, params, list(history), gen), width=n, budget=2 * n)
+                for _ in range(GROWN):
+                    if drafter.expand() is None:
+                        break
+                t = time.perf_counter()
+                pack_batch(drafter.select(), 0.0, 0.0)
+                select[n].append(time.perf_counter() - t)
+                tree = drafter.tree
+                first = tree.children[0][0]  # topk: the most probable child, and its own
+                second = tree.tokens[tree.children[first][0]] if tree.children[first] else 0
+                t = time.perf_counter()
+                drafter.advance([tree.tokens[first], second])
+                advance[n].append(time.perf_counter() - t)
+    return {"leaves": list(leaves),
+            "select_s": isotonic([statistics.median(select[n]) for n in leaves]),
+            "advance_s": isotonic([statistics.median(advance[n]) for n in leaves])}
+
+
 def add_tree_tables(models: dict[str, Any], drafts: list[Any], dtype: torch.dtype, log: Any = print) -> None:
     """Add "tree_expand" to the entry in ``models`` of every draft of ``drafts`` (ModelConfig)
     that can draw a tree (a transformer with its own weights), timed around its own forward."""
@@ -120,6 +166,53 @@ def add_tree_tables(models: dict[str, Any], drafts: list[Any], dtype: torch.dtyp
         tables = {cls: time_expansions(local, vocab, SamplingParams(temperature=temp))
                   for cls, temp in TEMPERATURES.items()}
         models[name]["tree_expand"] = tables
+        models[name]["tree_async"] = {cls: time_bookkeeping(local, vocab, SamplingParams(temperature=temp))
+                                      for cls, temp in TEMPERATURES.items()}
         cells = "; ".join(f"{cls}: " + " ".join(f"{n}={1e3 * s:.2f}" for n, s in zip(t["leaves"], t["seconds"]))
                           for cls, t in tables.items())
         log(f"{name} tree expansion beyond the forward, by leaves (ms): {cells}")
+        cells = "; ".join(f"{cls}: " + " ".join(f"{n}={1e3 * a:.2f}+{1e3 * b:.2f}" for n, a, b in
+                                                zip(t["leaves"], t["select_s"], t["advance_s"]))
+                          for cls, t in models[name]["tree_async"].items())
+        log(f"{name} async select + re-root, by leaves (ms): {cells}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Re-measure the tree tables of a profile's transformer drafts, in place (atomically)."""
+    import argparse
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from real.calibrate import drafts_to_measure
+    from real.loading import DTYPES as dtypes
+    from testbed.config import compose_experiment
+    from testbed.paths import CONF_DIR
+
+    ap = argparse.ArgumentParser(prog="python -m real.calibrate_tree", description=main.__doc__)
+    ap.add_argument("profile", nargs="?", default="reports/profiles/local.json")
+    args = ap.parse_args(argv)
+    path = Path(args.profile)
+    try:
+        prof = json.loads(path.read_text())
+        models = prof["models"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: {path}: not a latency profile ({type(e).__name__}: {e}); measure one with "
+                         "`python -m real.calibrate`") from None
+    target = next((name for name, m in models.items() if m.get("role") == "target"), "smollm2_135m")
+    pair = next((f.stem for f in sorted((CONF_DIR / "pair").glob(f"{target}+*.yaml"))), None)
+    if pair is None:
+        raise SystemExit(f"error: no pair in conf/pair/ has the profile's target {target}")
+    exp = compose_experiment([f"pair={pair}", f"real.dtype={prof.get('dtype', 'fp32')}"])
+    torch.set_num_threads(int(prof.get("threads") or 1))
+    add_tree_tables(models, drafts_to_measure(exp), dtypes[exp.real.dtype])
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(prof, f, indent=1)
+    os.replace(tmp, path)
+    print(f"updated {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -55,6 +55,12 @@ class CostModel(ABC):
         did not measure it charge nothing."""
         return 0.0
 
+    def tree_async_bookkeeping(self, leaves: int) -> tuple[float, float]:
+        """Seconds of `async`'s per-round draft bookkeeping on a tree of width ``leaves``:
+        (select + pack the subtree, re-root + KV compaction). Models that did not measure it
+        charge nothing."""
+        return 0.0, 0.0
+
     def breakdown(self, role: Role, tokens: int, context: int,
                   layers: tuple[int, int] | None = None) -> ForwardCost:
         return ForwardCost(total_s=self.forward(role, tokens, context, layers))

@@ -145,3 +145,59 @@ def test_async_depth_counts_the_whole_expansion_the_draft_is_charged(tmp_path: P
     assert over["t_target_ms"] == pytest.approx(bare["t_target_ms"])
     assert over["tree_depth_used"] == math.floor(over["t_target_ms"] / over["t_draft_ms"] + 0.5)
     assert over["tree_depth_used"] < bare["tree_depth_used"]
+
+
+def test_async_charges_the_draft_its_select_and_reroot_every_round(tmp_path: Path) -> None:
+    """real/calibrate_tree.time_bookkeeping's table: each round the draft group is busy for
+    select + pack before it sends a subtree and for re-root + KV compaction after the verified
+    tokens arrive (seconds interpolated by the tree width, as spans of their own), and the
+    target, which waits for the next subtree, loses that time too. d is not changed by it."""
+    import json
+
+    from sim.engine import run
+
+    runs = {}
+    for name, table in (("bare", None), ("bookkeeping", (0.002, 0.006))):
+        prof = profile_with_tp()
+        if table is not None:
+            prof["models"]["smollm2_draft"]["tree_async"] = {"greedy": {
+                "leaves": [1, 15], "select_s": [0.0, 2 * table[0]], "advance_s": [0.0, 2 * table[1]]}}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(prof))
+        runs[name] = run(compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "sim.cost_model=profile",
+                                     f"sim.profile_path={path}", "schedule=async", "schedule.tree_budget=8",
+                                     "schedule.tree_width=8", "workload.num_prompts=1",
+                                     "workload.max_new_tokens=24"))
+    spans = {name: r.recorder.frames()[2] for name, r in runs.items()}
+    assert not spans["bare"]["kind"].isin(["select", "reroot"]).any()
+    book = spans["bookkeeping"]
+    rounds = int(runs["bookkeeping"].recorder.frames()[1]["rounds"].sum())
+    select, reroot = book[book["kind"] == "select"], book[book["kind"] == "reroot"]
+    assert len(select) == rounds and len(reroot) == rounds - 1  # no re-root after the last round
+    assert (select["end_s"] - select["start_s"]).to_numpy() == pytest.approx([0.002] * rounds)  # w = 8: midway
+    assert (reroot["end_s"] - reroot["start_s"]).sum() == pytest.approx(0.006 * (rounds - 1))
+    assert runs["bookkeeping"].extra["tree_depth_used"] == runs["bare"].extra["tree_depth_used"]
+    decode = {name: float(r.recorder.frames()[1]["decode_s"].sum()) for name, r in runs.items()}
+    assert decode["bookkeeping"] > decode["bare"] + 0.006 * (rounds - 1)
+
+
+def test_a_profile_without_the_async_bookkeeping_table_is_measured_again(tmp_path: Path) -> None:
+    """A profile from before the table (a tree-expansion table, no "tree_async") would have
+    async predictions charge no select or re-root: the sweep's EnsureProfile re-measures it."""
+    import json
+
+    from real.calibrate import SCHEMA
+    from real.ensure_profile import profile_is_current
+
+    exp = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "backend=real")
+    prof = profile_with_tp()
+    prof.update(schema=SCHEMA, dtype=exp.real.dtype, probe={
+        "gbps": 10.0, "forward_s": {name: 0.01 for name in prof["models"]}})
+    prof["models"]["smollm2_draft"]["tree_expand"] = {"greedy": {"leaves": [1, 16], "seconds": [0.001, 0.002]}}
+    path = tmp_path / "local.json"
+    path.write_text(json.dumps(prof))
+    current, why = profile_is_current(path, exp)
+    assert not current and "async bookkeeping" in why and "smollm2_draft" in why
+    prof["models"]["smollm2_draft"]["tree_async"] = {"greedy": {"leaves": [1], "select_s": [0.0], "advance_s": [0.0]}}
+    path.write_text(json.dumps(prof))
+    assert profile_is_current(path, exp) == (True, "current")

@@ -13,7 +13,10 @@ subtree one way, the verified tokens back). Per iteration:
 - draft, meanwhile: expand the tree d times (w most probable leaves per forward); then take the
   verified tokens, re-root (DraftTree.reroot: the surviving subtree and its KV slots are kept,
   verified tokens whose KV the draft never computed are fed with its next forward), expand until
-  the tree holds at least bs nodes, and send the most probable subtree of size bs.
+  the tree holds at least bs nodes, and send the most probable subtree of size bs. Selecting
+  (and packing) the subtree and re-rooting (with the KV compaction) hold the draft group for
+  their calibrated times (``cost.tree_async_bookkeeping``, real/calibrate_tree.py): the real
+  draft does them on its cores while the target waits for the next subtree.
 
 d: ``testbed.spec.tree_drafter.async_depth`` (``schedule.tree_depth``, or, when 0, as SwiftSpec
 sets it from t_target / t_draft), with t_target = one verification (target forward over bs
@@ -137,6 +140,16 @@ def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: 
         rec.span("draft", "expand", s0, env.now, rid, r)
         return dt
 
+    def bookkeeping(kind: str, dt: float, r: int) -> Generator[Any, Any, None]:
+        if dt <= 0.0:
+            return
+        with side.group.request() as hold:
+            yield hold
+            s0 = env.now
+            yield env.timeout(dt)
+        rec.span("draft", kind, s0, env.now, rid, r)
+
+    select_s, reroot_s = side.cost.tree_async_bookkeeping(drafter.width)
     r, draft_s = 0, 0.0
     while len(tree) < drafter.budget:
         dt = yield from expand(r)
@@ -144,6 +157,7 @@ def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: 
             break
         draft_s += dt
     while True:
+        yield from bookkeeping("select", select_s, r)
         batch, keys = drafter.select()
         side.peer.send(BATCH_BYTES_PER_NODE * len(batch), (batch, keys, draft_s), rid, r)
         draft_s = 0.0
@@ -156,6 +170,7 @@ def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: 
         if done:
             return
         drafter.advance(tokens)  # re-root + KV compaction
+        yield from bookkeeping("reroot", reroot_s, r)
         r += 1
         while len(tree) < drafter.budget:
             dt = yield from expand(r)

@@ -18,7 +18,8 @@ SCHEDULE_COLORS = {"ar": "#999999", "sync": "#0072B2", "sync_tree": "#000000",
                    "async": "#E69F00", "decentralized": "#009E73", "ar baseline": "#999999"}
 SPAN_COLORS = {"draft": "#E69F00", "target": "#0072B2", "verify": "#0072B2", "prefill": "#CCCCCC",
                "link": "#009E73", "send": "#009E73", "recv": "#56B4E9", "allreduce": "#CC79A7",
-               "stage": "#0072B2", "bubble": "#F0E442", "idle": "#EEEEEE"}
+               "stage": "#0072B2", "bubble": "#F0E442", "idle": "#EEEEEE",
+               "select": "#D55E00", "reroot": "#D55E00"}
 
 HUMAN = {
     "tokens_per_s": "tokens/s", "tpot_ms": "TPOT (ms)", "speedup": "speedup vs ar",
