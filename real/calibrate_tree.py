@@ -17,14 +17,14 @@ temperature class, not on the model's layers) as
 
 and charged by the simulator per expansion (sim/tree_tokens.TimedTreeDrafter).
 
-`async` does two more things per round on the draft's side, both on the critical path (the
-target waits for the next subtree): it selects the subtree of bs nodes and packs it into a
-message, and, once the verified tokens are back, re-roots the tree and compacts its KV slots.
+A tree's draft does two more things per round, both on the critical path (the target waits
+for the subtree): it selects the subtree of bs nodes (`async` also packs it into a message),
+and, once the verified tokens are back, re-roots the tree and compacts its KV slots.
 In real runs of the bundled pair they took ~1.8 % of decode time (select 0.4 ms, re-root 0.6 ms
 per ~65 ms round), which the simulator charged nothing. Timed on the same grown trees (width n,
 budget 2n, the re-root to the top path of two tokens, whose subtree survives) as
 
-    "tree_async": {cls: {"leaves": [...], "select_s": [...], "advance_s": [...]}}
+    "tree_rounds": {cls: {"leaves": [...], "select_s": [...], "advance_s": [...]}}
 
     python -m real.calibrate_tree [PROFILE]     re-measures both tables of PROFILE's drafts in place
 """
@@ -109,7 +109,7 @@ def _grow(timed: TimedForward, params: SamplingParams, history: list[int], gen: 
 
 def time_bookkeeping(model: Any, vocab: int, params: SamplingParams, *, leaves: Sequence[int] = LEAVES,
                      passes: int = PASSES, history_len: int = 64) -> dict[str, Any]:
-    """Median seconds of ``async``'s per-round draft bookkeeping on trees of width n (each n of
+    """Median seconds of a tree's per-round draft bookkeeping on trees of width n (each n of
     ``leaves``, budget 2n) grown ``GROWN`` times: select + pack the subtree, and re-root + KV
     compaction on the two tokens of the tree's top path."""
     from real.schedules.async_tree import pack_batch
@@ -166,15 +166,15 @@ def add_tree_tables(models: dict[str, Any], drafts: list[Any], dtype: torch.dtyp
         tables = {cls: time_expansions(local, vocab, SamplingParams(temperature=temp))
                   for cls, temp in TEMPERATURES.items()}
         models[name]["tree_expand"] = tables
-        models[name]["tree_async"] = {cls: time_bookkeeping(local, vocab, SamplingParams(temperature=temp))
+        models[name]["tree_rounds"] = {cls: time_bookkeeping(local, vocab, SamplingParams(temperature=temp))
                                       for cls, temp in TEMPERATURES.items()}
         cells = "; ".join(f"{cls}: " + " ".join(f"{n}={1e3 * s:.2f}" for n, s in zip(t["leaves"], t["seconds"]))
                           for cls, t in tables.items())
         log(f"{name} tree expansion beyond the forward, by leaves (ms): {cells}")
         cells = "; ".join(f"{cls}: " + " ".join(f"{n}={1e3 * a:.2f}+{1e3 * b:.2f}" for n, a, b in
                                                 zip(t["leaves"], t["select_s"], t["advance_s"]))
-                          for cls, t in models[name]["tree_async"].items())
-        log(f"{name} async select + re-root, by leaves (ms): {cells}")
+                          for cls, t in models[name]["tree_rounds"].items())
+        log(f"{name} tree select + re-root per round, by leaves (ms): {cells}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

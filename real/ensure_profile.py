@@ -49,9 +49,9 @@ def profile_is_current(path: Path, exp: ExperimentConfig) -> tuple[bool, str]:
     if unprobed:  # the predictions' sim.profile_drift=forward
         return False, f"profile has no forward probe of {', '.join(unprobed)}"
     no_async = [m.name for m in models if "tree_expand" in prof["models"][m.name]
-                and "tree_async" not in prof["models"][m.name]]
-    if no_async:  # async's per-round select and re-root (real/calibrate_tree.time_bookkeeping)
-        return False, f"profile has no async bookkeeping table of {', '.join(no_async)}"
+                and "tree_rounds" not in prof["models"][m.name]]
+    if no_async:  # a tree's per-round select and re-root (real/calibrate_tree.time_bookkeeping)
+        return False, f"profile has no tree bookkeeping table of {', '.join(no_async)}"
     return True, "current"
 
 

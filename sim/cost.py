@@ -55,10 +55,10 @@ class CostModel(ABC):
         did not measure it charge nothing."""
         return 0.0
 
-    def tree_async_bookkeeping(self, leaves: int) -> tuple[float, float]:
-        """Seconds of `async`'s per-round draft bookkeeping on a tree of width ``leaves``:
-        (select + pack the subtree, re-root + KV compaction). Models that did not measure it
-        charge nothing."""
+    def tree_round_bookkeeping(self, leaves: int) -> tuple[float, float]:
+        """Seconds of a token tree's per-round draft bookkeeping on a tree of width ``leaves``
+        (the serial tree and `async`): (select + pack the subtree, re-root + KV compaction).
+        Models that did not measure it charge nothing."""
         return 0.0, 0.0
 
     def breakdown(self, role: Role, tokens: int, context: int,

@@ -106,7 +106,7 @@ class ProfileCost(CostModel):
         self.ar = exp.schedule.name == "ar"
         self._prefill: dict[str, Table1D | None] = {}
         self._tree_expand: Table1D | None = None  # a draft tree expansion beyond its forward
-        self._tree_async: tuple[Table1D, Table1D] | None = None  # async: (select, re-root) per round
+        self._tree_rounds: tuple[Table1D, Table1D] | None = None  # async: (select, re-root) per round
         self.degree = tp_degrees(exp)
         self._factor: dict[str, ShapeFactor | None] = {}
         self._tree_draft: TreeDraftForward | None = None  # a transformer draft's tree forward
@@ -181,9 +181,9 @@ class ProfileCost(CostModel):
         self._prefill[role] = Table1D(pf, "prompt_len") if pf else None
         if role == "draft" and m.get("tree_expand"):  # real/calibrate_tree.py
             self._tree_expand = Table1D(self._by_temp(m["tree_expand"]), "leaves")
-        if role == "draft" and m.get("tree_async"):  # real/calibrate_tree.time_bookkeeping
-            t = self._by_temp(m["tree_async"])
-            self._tree_async = (Table1D({"leaves": t["leaves"], "seconds": t["select_s"]}, "leaves"),
+        if role == "draft" and m.get("tree_rounds"):  # real/calibrate_tree.time_bookkeeping
+            t = self._by_temp(m["tree_rounds"])
+            self._tree_rounds = (Table1D({"leaves": t["leaves"], "seconds": t["select_s"]}, "leaves"),
                                 Table1D({"leaves": t["leaves"], "seconds": t["advance_s"]}, "leaves"))
         mode = self.modes[role]
         extra = None if m.get("kind") == "ngram" else sampling_extra(m, mode)
@@ -324,11 +324,11 @@ class ProfileCost(CostModel):
         table = self._tree_expand
         return 0.0 if table is None else table(leaves) * self.role_scale("draft", leaves)
 
-    def tree_async_bookkeeping(self, leaves: int) -> tuple[float, float]:
-        if self._tree_async is None:
+    def tree_round_bookkeeping(self, leaves: int) -> tuple[float, float]:
+        if self._tree_rounds is None:
             return 0.0, 0.0
         scale = self.role_scale("draft", 1)  # Python on the draft's cores: drifts as its forward
-        select, advance = self._tree_async
+        select, advance = self._tree_rounds
         return select(leaves) * scale, advance(leaves) * scale
 
     def _forward_unscaled(self, role: Role, tokens: int, context: int,

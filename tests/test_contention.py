@@ -160,7 +160,7 @@ def test_async_charges_the_draft_its_select_and_reroot_every_round(tmp_path: Pat
     for name, table in (("bare", None), ("bookkeeping", (0.002, 0.006))):
         prof = profile_with_tp()
         if table is not None:
-            prof["models"]["smollm2_draft"]["tree_async"] = {"greedy": {
+            prof["models"]["smollm2_draft"]["tree_rounds"] = {"greedy": {
                 "leaves": [1, 15], "select_s": [0.0, 2 * table[0]], "advance_s": [0.0, 2 * table[1]]}}
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(prof))
@@ -182,7 +182,7 @@ def test_async_charges_the_draft_its_select_and_reroot_every_round(tmp_path: Pat
 
 
 def test_a_profile_without_the_async_bookkeeping_table_is_measured_again(tmp_path: Path) -> None:
-    """A profile from before the table (a tree-expansion table, no "tree_async") would have
+    """A profile from before the table (a tree-expansion table, no "tree_rounds") would have
     async predictions charge no select or re-root: the sweep's EnsureProfile re-measures it."""
     import json
 
@@ -197,7 +197,40 @@ def test_a_profile_without_the_async_bookkeeping_table_is_measured_again(tmp_pat
     path = tmp_path / "local.json"
     path.write_text(json.dumps(prof))
     current, why = profile_is_current(path, exp)
-    assert not current and "async bookkeeping" in why and "smollm2_draft" in why
-    prof["models"]["smollm2_draft"]["tree_async"] = {"greedy": {"leaves": [1], "select_s": [0.0], "advance_s": [0.0]}}
+    assert not current and "tree bookkeeping" in why and "smollm2_draft" in why
+    prof["models"]["smollm2_draft"]["tree_rounds"] = {"greedy": {"leaves": [1], "select_s": [0.0], "advance_s": [0.0]}}
     path.write_text(json.dumps(prof))
     assert profile_is_current(path, exp) == (True, "current")
+
+
+def test_the_serial_tree_charges_select_in_its_draft_phase_and_reroot_between_rounds(tmp_path: Path) -> None:
+    """The same table serves `sync` + tree: the real serial tree selects inside its draft phase
+    and re-roots after the verification, before the next round starts."""
+    import json
+
+    from sim.engine import run
+
+    runs = {}
+    for name, table in (("bare", None), ("bookkeeping", (0.002, 0.006))):
+        prof = profile_with_tp()
+        if table is not None:
+            prof["models"]["smollm2_draft"]["tree_rounds"] = {"greedy": {
+                "leaves": [1, 7], "select_s": [0.0, 2 * table[0]], "advance_s": [0.0, 2 * table[1]]}}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(prof))
+        runs[name] = run(compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "sim.cost_model=profile",
+                                     f"sim.profile_path={path}", "schedule=sync", "schedule.tree=true",
+                                     "schedule.gamma=2", "schedule.tree_budget=8", "schedule.tree_width=4",
+                                     "workload.num_prompts=1", "workload.max_new_tokens=24"))
+    frames = {name: r.recorder.frames() for name, r in runs.items()}
+    rounds = {name: f[0] for name, f in frames.items()}
+    # the same acceptance (same draws), each round's draft phase 2 ms longer (w = 4: midway)
+    assert len(rounds["bookkeeping"]) == len(rounds["bare"])
+    assert (rounds["bookkeeping"]["draft_s"] - rounds["bare"]["draft_s"]).to_numpy() == pytest.approx(
+        [0.002] * len(rounds["bare"]))
+    spans = frames["bookkeeping"][2]
+    reroot = spans[spans["kind"] == "reroot"]
+    assert len(reroot) == len(rounds["bare"]) and not (frames["bare"][2]["kind"] == "reroot").any()
+    assert (reroot["end_s"] - reroot["start_s"]).to_numpy() == pytest.approx([0.006] * len(reroot))
+    decode = {name: float(f[1]["decode_s"].sum()) for name, f in frames.items()}
+    assert decode["bookkeeping"] == pytest.approx(decode["bare"] + 0.008 * len(rounds["bare"]))

@@ -53,6 +53,7 @@ def serve_sync_tree(ctx: RealContext, req: RealRequest) -> None:
         before = len(out)
         out, done = finish(out, res.tokens, req.max_new_tokens, ctx.eos)
         drafter.advance(res.tokens)
+        rec.span("draft", "reroot", e, ctx.now(), rid, r)
         rec.round(request_id=rid, round_idx=r, start_s=t, end_s=e, drafted=len(batch) - 1,
                   checked=res.checked, accepted=res.accepted, emitted=len(out) - before,
                   verified_tokens=len(batch), draft_s=m - t, target_s=e - m)

@@ -15,7 +15,7 @@ subtree one way, the verified tokens back). Per iteration:
   verified tokens whose KV the draft never computed are fed with its next forward), expand until
   the tree holds at least bs nodes, and send the most probable subtree of size bs. Selecting
   (and packing) the subtree and re-rooting (with the KV compaction) hold the draft group for
-  their calibrated times (``cost.tree_async_bookkeeping``, real/calibrate_tree.py): the real
+  their calibrated times (``cost.tree_round_bookkeeping``, real/calibrate_tree.py): the real
   draft does them on its cores while the target waits for the next subtree.
 
 d: ``testbed.spec.tree_drafter.async_depth`` (``schedule.tree_depth``, or, when 0, as SwiftSpec
@@ -149,7 +149,7 @@ def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: 
             yield env.timeout(dt)
         rec.span("draft", kind, s0, env.now, rid, r)
 
-    select_s, reroot_s = side.cost.tree_async_bookkeeping(drafter.width)
+    select_s, reroot_s = side.cost.tree_round_bookkeeping(drafter.width)
     r, draft_s = 0, 0.0
     while len(tree) < drafter.budget:
         dt = yield from expand(r)

@@ -6,7 +6,8 @@ leaves per forward; d = ``schedule.tree_depth``, or ``schedule.gamma`` when that
 counterpart of sync's γ draft forwards) and at least until the tree holds bs nodes, then the
 target verifies the most probable subtree of bs nodes in one forward (testbed.spec.tree_verify)
 and the draft re-roots on the verified tokens, keeping the surviving subtree and its KV.
-Token distributions: sim.tree_tokens.
+Selecting the subtree is charged in the draft phase and re-rooting (with the KV compaction)
+between rounds, as the real backend spends them. Token distributions: sim.tree_tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def sync_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     generated, r = 0, 0
     out: list[int] = []
     n_max = req.max_new_tokens
+    select_s, reroot_s = cost.tree_round_bookkeeping(drafter.width)  # (real/calibrate_tree.py)
     while generated < n_max:
         t_round = env.now
         draft_s = 0.0
@@ -48,6 +50,7 @@ def sync_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
             draft_s += dt
         draft_s += drafter.fill()
         batch, keys = drafter.select()
+        draft_s += select_s
         target_s = cost.tree_forward("target", len(batch), seq_len - 1)
         yield env.timeout(draft_s + target_s)
         res = drafter.toks.verify(batch, keys)
@@ -61,6 +64,10 @@ def sync_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         rec.span("draft", "draft", t_round, t_round + draft_s, rid, r)
         rec.span("target", "verify", t_round + draft_s, env.now, rid, r)
         drafter.advance(res.tokens)
+        if reroot_s > 0.0:  # between rounds: in the request's decode time, in no round's
+            t = env.now
+            yield env.timeout(reroot_s)
+            rec.span("draft", "reroot", t, env.now, rid, r)
         r += 1
     ids = out if ctx.oracle.produces_ids else []
     rec.request(rid, req.prompt_id, req.prompt_len, ids, generated, prefill_s, env.now - start, r)
