@@ -45,10 +45,13 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 
     unit = devices_word(summary)
     n_t, n_d = summary["target_gpus"], summary["draft_gpus"]
+    shape = summary.get("tree_shape")  # a tree has no γ: its shape is what was set
+    setting = f"tree {shape}" if shape else f"γ={summary['gamma']}"
     t = Table(title=f"{summary['backend']} · {summary['schedule']} · {summary['pair']} · "
                     f"{summary['hardware']} (target {n_t} {unit}{'s' if n_t != 1 else ''}, "
-                    f"draft {n_d}, γ={summary['gamma']})")
-    for col in ("tokens/s", "TPOT ms", "speedup vs ar", "α", "mean accepted len", "prefill s"):
+                    f"draft {n_d}, {setting})")
+    for col in ("tokens/s", "TPOT ms", "speedup vs ar", "α",
+                "tokens/verification" if shape else "mean accepted len", "prefill s"):
         t.add_column(col, justify="right")
     t.add_row(fmt(summary["tokens_per_s"], 1), fmt(summary["tpot_ms"], 2), fmt(summary["speedup"], 3),
               fmt(summary["alpha"], 3), fmt(summary["mean_accepted_len"], 3), fmt(summary["prefill_s"], 4))
