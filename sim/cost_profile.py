@@ -106,7 +106,7 @@ class ProfileCost(CostModel):
         self.ar = exp.schedule.name == "ar"
         self._prefill: dict[str, Table1D | None] = {}
         self._tree_expand: Table1D | None = None  # a draft tree expansion beyond its forward
-        self._tree_rounds: tuple[Table1D, Table1D] | None = None  # async: (select, re-root) per round
+        self._tree_rounds: tuple[Table1D, Table1D] | None = None  # a tree's (select, re-root) per round
         self.degree = tp_degrees(exp)
         self._factor: dict[str, ShapeFactor | None] = {}
         self._tree_draft: TreeDraftForward | None = None  # a transformer draft's tree forward

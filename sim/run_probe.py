@@ -14,10 +14,10 @@ A prediction with ``run_probe`` finds the real run of its own experiment (the sa
 key and prompt split, and for DSD the same links and τ) among the runs of
 ``acceptance.trace_path`` — in `+sweep=validate` the measure role of the same grid point — and
 scales each role's profile times by (its probe) / (the profile's time for the probe's own shape:
-one token at that slot, chain-shaped, at the role's TP degree, alone). The target is probed at
+one token at that slot, chain-shaped, at the role's TP degree, alone). Each model is probed at
 one and at ``FORWARD_PROBE_TOKENS`` tokens: a bandwidth-bound one-token forward and a partly
 compute-bound verification drift by different amounts on a shared host (+40 % against +27 %
-within one run), so its factor for a forward over k tokens goes from the one to the other,
+within one run), so a factor for a forward over k tokens goes from the one to the other,
 log-linearly in k (``factor_at``). The profile keeps the shape in context, TP degree and
 contention; the level is the machine's at the run. The n-gram draft (no forward) takes the
 target's factor.
@@ -105,7 +105,7 @@ def drift_factors(exp: ExperimentConfig, modelled_probe: dict[str, float | None]
 
 
 def factor_at(tokens: int, one: float, many: float, many_tokens: int) -> float:
-    """The target's drift factor for a forward over ``tokens``: the one-token probe's at one
+    """A role's drift factor for a forward over ``tokens``: the one-token probe's at one
     token, the ``many_tokens`` probe's from there on, log-linear in between (a forward turns
     from bandwidth-bound to partly compute-bound as k grows, and the two drift differently)."""
     if tokens <= 1:

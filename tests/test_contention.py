@@ -147,27 +147,34 @@ def test_async_depth_counts_the_whole_expansion_the_draft_is_charged(tmp_path: P
     assert over["tree_depth_used"] < bare["tree_depth_used"]
 
 
-def test_async_charges_the_draft_its_select_and_reroot_every_round(tmp_path: Path) -> None:
-    """real/calibrate_tree.time_bookkeeping's table: each round the draft group is busy for
-    select + pack before it sends a subtree and for re-root + KV compaction after the verified
-    tokens arrive (seconds interpolated by the tree width, as spans of their own), and the
-    target, which waits for the next subtree, loses that time too. d is not changed by it."""
+def _runs_with_and_without_tree_rounds(tmp_path: Path, width: int, *overrides: str) -> dict:
+    """Simulated runs of the bundled pair without the tree bookkeeping table ("bare") and with
+    one that charges 2 ms select and 6 ms re-root at tree width ``width`` (midway in leaves)."""
     import json
 
     from sim.engine import run
 
     runs = {}
-    for name, table in (("bare", None), ("bookkeeping", (0.002, 0.006))):
+    for name in ("bare", "bookkeeping"):
         prof = profile_with_tp()
-        if table is not None:
+        if name == "bookkeeping":
             prof["models"]["smollm2_draft"]["tree_rounds"] = {"greedy": {
-                "leaves": [1, 15], "select_s": [0.0, 2 * table[0]], "advance_s": [0.0, 2 * table[1]]}}
+                "leaves": [1, 2 * width - 1], "select_s": [0.0, 0.004], "advance_s": [0.0, 0.012]}}
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(prof))
         runs[name] = run(compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "sim.cost_model=profile",
-                                     f"sim.profile_path={path}", "schedule=async", "schedule.tree_budget=8",
-                                     "schedule.tree_width=8", "workload.num_prompts=1",
-                                     "workload.max_new_tokens=24"))
+                                     f"sim.profile_path={path}", f"schedule.tree_width={width}",
+                                     "schedule.tree_budget=8", "workload.num_prompts=1",
+                                     "workload.max_new_tokens=24", *overrides))
+    return runs
+
+
+def test_async_charges_the_draft_its_select_and_reroot_every_round(tmp_path: Path) -> None:
+    """real/calibrate_tree.time_bookkeeping's table: each round the draft group is busy for
+    select + pack before it sends a subtree and for re-root + KV compaction after the verified
+    tokens arrive (seconds interpolated by the tree width, as spans of their own), and the
+    target, which waits for the next subtree, loses that time too. d is not changed by it."""
+    runs = _runs_with_and_without_tree_rounds(tmp_path, 8, "schedule=async")
     spans = {name: r.recorder.frames()[2] for name, r in runs.items()}
     assert not spans["bare"]["kind"].isin(["select", "reroot"]).any()
     book = spans["bookkeeping"]
@@ -206,22 +213,7 @@ def test_a_profile_without_the_async_bookkeeping_table_is_measured_again(tmp_pat
 def test_the_serial_tree_charges_select_in_its_draft_phase_and_reroot_between_rounds(tmp_path: Path) -> None:
     """The same table serves `sync` + tree: the real serial tree selects inside its draft phase
     and re-roots after the verification, before the next round starts."""
-    import json
-
-    from sim.engine import run
-
-    runs = {}
-    for name, table in (("bare", None), ("bookkeeping", (0.002, 0.006))):
-        prof = profile_with_tp()
-        if table is not None:
-            prof["models"]["smollm2_draft"]["tree_rounds"] = {"greedy": {
-                "leaves": [1, 7], "select_s": [0.0, 2 * table[0]], "advance_s": [0.0, 2 * table[1]]}}
-        path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps(prof))
-        runs[name] = run(compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "sim.cost_model=profile",
-                                     f"sim.profile_path={path}", "schedule=sync", "schedule.tree=true",
-                                     "schedule.gamma=2", "schedule.tree_budget=8", "schedule.tree_width=4",
-                                     "workload.num_prompts=1", "workload.max_new_tokens=24"))
+    runs = _runs_with_and_without_tree_rounds(tmp_path, 4, "schedule=sync", "schedule.tree=true", "schedule.gamma=2")
     frames = {name: r.recorder.frames() for name, r in runs.items()}
     rounds = {name: f[0] for name, f in frames.items()}
     # the same acceptance (same draws), each round's draft phase 2 ms longer (w = 4: midway)

@@ -78,6 +78,7 @@ def test_decentralized_equals_single_process_ar_at_temperature_0(tiny_pair, sing
     assert x["identical_share"] == 1.0 and x["first_divergence_mean"] == 12
     assert x["tokens_per_round"] > 1 and 0 < x["alpha_measured"] <= 1 and x["t1_ms"] > 0
     assert x["probe_target_s"] > 0 and x["probe_draft_s"] > 0  # the stages' probes summed; the draft's
+    assert x["probe_target_k8_s"] > 0 and x["probe_draft_k8_s"] > 0  # and at 8 tokens (a draft model)
     rounds, _, timeline = res.recorder.frames()
     assert (rounds.verified_tokens == 4).all()
     kinds = set(zip(timeline.resource, timeline.kind))
