@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cli.py [--only phases|default|help|gpu_split|gpu_split_joblib|wan|wan_joblib]
                                    [--runs 1] [--out FILE.json]
+    python benchmarks/bench_cli.py --pairs 5 [--only wan gpu_split]   (joblib's speedup, paired)
 
 *phases*: one fresh process imports the app (and the simulator), runs the pre-run check of the
 default run and of the 60-job `+sweep=wan`, simulates the default experiment, writes its run
@@ -115,12 +116,47 @@ COMMANDS = {
 }
 
 
+def launcher_pairs(sweeps: list[str], pairs: int) -> dict[str, object]:
+    """Each sweep run with the basic then the joblib launcher, ``pairs`` times in a row (A B A B:
+    the machine's drift between runs minutes apart hits both alike); the speedup of each pair
+    and their median, the figure the goal is read from."""
+    import statistics
+
+    if not has_joblib_launcher():
+        raise SystemExit("--pairs needs hydra-joblib-launcher")
+    out: dict[str, object] = {}
+    for name in (n.removesuffix("_joblib") for n in sweeps):
+        if name not in ("wan", "gpu_split"):
+            continue
+        rows = []
+        for i in range(pairs):
+            basic, _ = command_wall(COMMANDS[name], 1)
+            joblib, _ = command_wall(COMMANDS[f"{name}_joblib"], 1)
+            rows.append({"basic_s": basic, "joblib_s": joblib, "speedup": basic / joblib})
+            print(f"+sweep={name} pair {i + 1}: basic {basic:6.2f} s, joblib {joblib:6.2f} s, "
+                  f"{basic / joblib:.2f}x (load {os.getloadavg()[0]:.2f})", flush=True)
+        med = statistics.median(r["speedup"] for r in rows)
+        print(f"+sweep={name}: joblib speedup, median of {pairs} pairs: {med:.2f}x", flush=True)
+        out[name] = {"pairs": rows, "median_speedup": med}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", default=None, choices=["phases", *COMMANDS])
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="instead: N interleaved basic/joblib pairs of each sweep in --only "
+                         "(wan, gpu_split), and the median of the pairs' speedups")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.pairs:
+        results = {"loadavg_start": os.getloadavg()[0],
+                   **launcher_pairs(args.only or ["wan", "gpu_split"], args.pairs)}
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=2) + "\n")
+        return
     todo = args.only or ["phases", *COMMANDS]
     results: dict[str, object] = {"loadavg_start": os.getloadavg()[0]}
     if "phases" in todo:

@@ -35,6 +35,7 @@ from testbed.unused_settings import HASH_FILE, experiment_hash
 FAILED = "job_failed.json"
 SKIPPED = ".skipped"
 STATE = ".sweep.json"
+PROGRESS_LOCK, PROGRESS_LAST = ".progress.lock", ".progress"  # job_finished
 REAL_LOCK = Path(tempfile.gettempdir()) / "specbed-real-backend.lock"
 
 
@@ -72,6 +73,7 @@ def start(sweep_dir: Path, jobs: int) -> None:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     for d in sweep_dir.iterdir():  # skip markers of an earlier attempt
         (d / SKIPPED).unlink(missing_ok=True) if d.is_dir() else None
+    (sweep_dir / PROGRESS_LAST).unlink(missing_ok=True)
     (sweep_dir / STATE).write_text(json.dumps({"start": time.time(), "jobs": jobs}) + "\n")
 
 
@@ -87,8 +89,8 @@ def counts(sweep_dir: Path) -> dict[str, int]:
     return {"done": done, "failed": failed, "skipped": skipped}
 
 
-def progress_line(sweep_dir: Path) -> str:
-    st, c = _state(sweep_dir), counts(sweep_dir)
+def progress_line(sweep_dir: Path, c: dict[str, int] | None = None) -> str:
+    st, c = _state(sweep_dir), c or counts(sweep_dir)
     total = int(st.get("jobs") or 0)
     finished = c["done"] + c["failed"]
     ran = finished - c["skipped"]
@@ -104,9 +106,37 @@ def progress_line(sweep_dir: Path) -> str:
 
 
 def job_finished(run_dir: Path, skipped: bool = False) -> None:
+    """Print the sweep's progress line. Under the joblib launcher several workers finish jobs at
+    once: the lock makes each count-and-print one step, so the counts printed only increase (a
+    job finishing while another counts is announced by the next line), and each line goes out in
+    one write, so lines never interleave on a shared stderr."""
+    from filelock import FileLock
+
     if skipped:
         (run_dir / SKIPPED).touch()
-    print(progress_line(run_dir.parent), file=sys.stderr, flush=True)
+    sweep_dir = run_dir.parent
+    with FileLock(str(sweep_dir / PROGRESS_LOCK)):
+        c = counts(sweep_dir)
+        finished_now = c["done"] + c["failed"]
+        last = sweep_dir / PROGRESS_LAST
+        try:
+            shown = int(last.read_text())
+        except (OSError, ValueError):
+            shown = -1
+        if finished_now > shown:
+            last.write_text(str(finished_now))
+            _write_line(progress_line(sweep_dir, c))
+
+
+def _write_line(line: str) -> None:
+    """One write(2) of the whole line where stderr is a file (atomic below PIPE_BUF)."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # (a captured stderr: pytest's capsys)
+        print(line, file=sys.stderr, flush=True)
+        return
+    os.write(fd, (line + "\n").encode())
 
 
 @contextlib.contextmanager

@@ -55,7 +55,10 @@ def import_job_modules(backend: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot  # noqa: F401
-    import seaborn  # noqa: F401
+
+    from testbed.report.style import seaborn
+
+    seaborn()  # (without scipy: see there)
 
     import testbed.app  # noqa: F401
     import testbed.report  # noqa: F401

@@ -117,3 +117,45 @@ def test_real_runs_take_turns_on_one_host(tmp_path: Path) -> None:
         held.release()
     t.join(timeout=30)
     assert entered.is_set() and not t.is_alive()
+
+
+def _finish_jobs(sweep: str, names: list[str], barrier: object, err_path: str) -> None:
+    """In a child process: mark jobs done at the same moment as the others, then announce."""
+    from testbed import sweeps
+
+    sys.stderr = open(err_path, "a")  # noqa: SIM115  (the child's stderr until it exits)
+    for name in names:
+        barrier.wait()  # type: ignore[attr-defined]
+        (Path(sweep) / name / "summary.json").write_text("{}")
+        sweeps.job_finished(Path(sweep) / name)
+
+
+def test_progress_lines_from_parallel_workers_only_count_up(tmp_path: Path) -> None:
+    """Workers finishing jobs at once (the joblib launcher) print whole lines whose counts only
+    increase and end at the total, not the same count twice or two lines run together."""
+    import multiprocessing as mp
+
+    from testbed import sweeps
+
+    sweep, workers, per_worker = tmp_path / "sweep", 4, 6
+    sweep.mkdir()
+    sweeps.start(sweep, workers * per_worker)
+    names = [str(i) for i in range(workers * per_worker)]
+    for n in names:
+        (sweep / n / ".hydra").mkdir(parents=True)
+    err = tmp_path / "stderr"
+    err.touch()
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(workers)
+    procs = [ctx.Process(target=_finish_jobs, args=(str(sweep), names[w::workers], barrier, str(err)))
+             for w in range(workers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs)
+    lines = err.read_text().splitlines()
+    assert lines and all(ln.startswith("sweep: ") and ln.count("sweep:") == 1 for ln in lines)
+    shown = [int(ln.split()[1].split("/")[0]) for ln in lines]
+    assert shown == sorted(set(shown)), shown  # strictly increasing
+    assert shown[-1] == workers * per_worker

@@ -6,7 +6,7 @@ import pandas as pd
 
 from testbed.metrics import HEADLINE, KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
-from testbed.report.style import SCHEDULE_COLORS, colors_for, human, savefig
+from testbed.report.style import SCHEDULE_COLORS, colors_for, human, savefig, seaborn
 from testbed.theory import leviathan_speedup
 
 HIST_LINES = 6  # up to this many runs: one histogram line each; more: a heatmap of every run
@@ -60,12 +60,12 @@ def throughput(ctx: ReportContext) -> str:
     if not ctx.draw:
         return ""
     import matplotlib.pyplot as plt
-    import seaborn as sns
 
     df = ctx.df.copy()
     keys = varying_keys(df)
     if "gamma" in keys and len(df) > 2:
         hue = next((k for k in keys if k != "gamma"), None)
+        sns = seaborn()
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         palette = (colors_for(list(df[hue].astype(str).unique())) if hue == "schedule"
                    else "viridis" if hue else None)

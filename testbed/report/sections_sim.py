@@ -138,8 +138,10 @@ def decentralized(ctx: ReportContext) -> str:
              "communication C = links·t1 (DSD writes (N−1)·t1 for it)."]
     if ctx.draw and len(d) > 1 and d["latency_ms"].nunique() > 1:
         import matplotlib.pyplot as plt
-        import seaborn as sns
 
+        from testbed.report.style import seaborn
+
+        sns = seaborn()
         fig, axes = plt.subplots(1, 3, figsize=(13, 4))
         taus = sorted(d["tau"].dropna().unique())
         lo = d[d["tau"] == taus[0]] if taus else d

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import pandas as pd
-import seaborn as sns
 
 from testbed import backends
 from testbed.metrics import KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
+from testbed.report.style import seaborn
 from testbed.report.validate_intervals import add_interval_columns, inside_share
 from testbed.results import Run
 from testbed.results import run_split as split_of
@@ -258,6 +258,7 @@ def error_stats(val: pd.DataFrame, by: tuple[str, ...] = ("metric",)) -> pd.Data
 
 
 def parity_plot(val: pd.DataFrame, path: str) -> None:
+    sns = seaborn()
     metrics = [m for m in PARITY_METRICS if m in set(val["metric"])]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.4 * len(metrics), 4.2), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
