@@ -61,9 +61,17 @@ def test_sweep_report_renders_in_chromium(tmp_path: Path) -> None:
     report = sweep_report(tmp_path).with_suffix(".html")
     page = report.parent / "_check.html"
     page.write_text(report.read_text() + CHECK)
+    # no network here: without the background-networking flags Chromium retries its connections
+    quiet = ["--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--disable-quic", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"]
     p = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--allow-file-access-from-files",
-                        "--virtual-time-budget=15000", "--dump-dom", page.as_uri()],
+                        *quiet, "--virtual-time-budget=15000", "--dump-dom", page.as_uri()],
                        capture_output=True, text=True, timeout=120)
+    import psutil
+
+    profile = str(tmp_path / "profile")
+    left = [q.pid for q in psutil.process_iter(["cmdline"]) if any(profile in a for a in q.info["cmdline"] or [])]
+    assert not left, f"chromium processes left behind: {left}"
     m = re.search(r'<pre id="check">(.*?)</pre>', p.stdout, re.S)
     assert m, f"no result from chromium: {p.stderr[-1500:]}"
     result = json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&"))
