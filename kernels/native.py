@@ -123,6 +123,8 @@ def _load() -> ctypes.CDLL | None:
     lib.sb_layers.argtypes = [ctypes.POINTER(_LayerDims), ctypes.POINTER(_LayerPtrs), i32, ptr, ptr,
                               ptr, ptr, ptr, i64, i64, i32, ptr, ptr]
     lib.sb_layers.restype = i32
+    lib.sb_token_features.argtypes = [ptr, i64, i64, i32, ptr]
+    lib.sb_token_features.restype = i32
     return lib
 
 
@@ -135,6 +137,18 @@ def _usable(x: Tensor, weight: Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and weight.is_contiguous() and weight.dim() == 2
             and x.numel() // x.shape[-1] <= MAX_TOKENS and x.shape[-1] == weight.shape[1])
+
+
+def token_features(logits: Tensor, token: int, k: int) -> list[float] | None:
+    """The k largest probabilities of softmax(logits), its entropy and p[token] (k + 2 floats)
+    in one native call; None where the kernel does not apply (then the caller's PyTorch ops)."""
+    if _LIB is None or logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return None
+    x = logits.reshape(-1).contiguous()
+    out = (ctypes.c_float * (k + 2))()
+    if _LIB.sb_token_features(x.data_ptr(), x.numel(), token, k, out):
+        return None
+    return list(out)
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:

@@ -265,11 +265,32 @@ def test_report_table1_picks_static_opt_per_backend() -> None:
     assert set(frame.target_fw_per_token) == {0.5} and set(frame.draft_fw_per_token) == {1.5}
 
 
+@pytest.mark.parametrize("path", ["torch", "native"])
 @pytest.mark.parametrize("vocab", [49152, 640 * 4, 1000, 97, 5])
-def test_draft_token_features_equal_the_softmax_definitions(vocab: int) -> None:
-    # the one-exp-pass features (blocked top-k, entropy from the same terms) against their
-    # definitions: top-k of softmax(x), -sum p log p, p[token]; masked (-inf) logits and ties too
+def test_draft_token_features_equal_the_softmax_definitions(vocab: int, path: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # both fast paths (PyTorch: one softmax, blocked top-k; the native two-pass kernel) against
+    # the definitions: top-k of softmax(x), -sum p log p, p[token]; masked (-inf) logits and ties
+    from testbed.spec import lookahead
     from testbed.spec.lookahead import ENTROPY, TOP_K, draft_token_features
+
+    if path == "native":
+        from kernels import native
+
+        if native._LIB is None:
+            pytest.skip("no native kernel library (no compiler, or SPECBED_NATIVE=0)")
+        monkeypatch.setattr(lookahead, "NATIVE_MIN_VOCAB", 1)
+        calls = []
+        real = native.token_features
+
+        def counted(*args: object) -> list[float] | None:
+            out = real(*args)
+            calls.append(out is not None)
+            return out
+
+        monkeypatch.setattr(native, "token_features", counted)
+    else:
+        monkeypatch.setattr(lookahead, "NATIVE_MIN_VOCAB", 10**9)
 
     gen = torch.Generator().manual_seed(vocab)
     for trial in range(12):
@@ -288,3 +309,7 @@ def test_draft_token_features_equal_the_softmax_definitions(vocab: int) -> None:
         np.testing.assert_allclose(got[:ENTROPY], want[:ENTROPY], rtol=1e-5, atol=1e-7)
         assert got[ENTROPY] == pytest.approx(want[ENTROPY], rel=1e-4, abs=1e-5)
         assert got[CHOSEN] == pytest.approx(want[CHOSEN], rel=1e-5, abs=1e-8)
+        chosen = draft_token_features(x, token, chosen_only=True)
+        assert chosen[CHOSEN] == pytest.approx(want[CHOSEN], rel=1e-5, abs=1e-8)
+    if path == "native":
+        assert calls == [True] * 24  # (the kernel answered: no silent fallback to PyTorch)

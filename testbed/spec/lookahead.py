@@ -46,6 +46,7 @@ TOP_K = 10
 FEATURES = TOP_K + 2  # top-k probabilities, entropy, chosen-token probability
 ENTROPY, CHOSEN = TOP_K, TOP_K + 1  # indices in a feature vector
 BLOCK = 64  # draft_token_features: the top-k is searched among the largest blocks of this size
+NATIVE_MIN_VOCAB = 4096  # draft_token_features: the native kernel from this vocabulary size on
 ONE_HOT_FEATURES = (1.0,) + (0.0,) * (TOP_K - 1) + (0.0, 1.0)  # a deterministic draft (n-gram)
 PER_TOKEN = ("confidence", "disco", "oracle")  # policies that decide after every token
 POLICIES = ("static", "heuristic", *PER_TOKEN)
@@ -70,28 +71,56 @@ def draft_token_features(logits: torch.Tensor, token: int, *, chosen_only: bool 
     the confidence policy), the other entries NaN."""
     import torch
 
+    native = _native_features(logits, token)
     if chosen_only:
+        if native is not None:  # (its two passes: ~40 us, torch's logsumexp alone ~80)
+            return [math.nan] * CHOSEN + [native[CHOSEN]]
         x = logits.float()
         return [math.nan] * CHOSEN + [math.exp(float(x[token] - torch.logsumexp(x, dim=-1)))]
-
-    # Every drafted token of DISCO pays this (as log_softmax + topk over the 49k vocabulary it
-    # was ~10 % of a bundled draft forward, now ~6 %): one exp pass, the entropy from the same
-    # terms (H = log Z - sum(e z) / Z with z = x - max, e = exp z, Z = sum e), and the top-k
-    # from the k blocks of 64 with the largest maxima (they hold the k largest values), not a
-    # top-k over the whole vocabulary. -inf logits become -1e30: e = 0 and e z = 0, not NaN.
+    if native is not None:
+        return native
+    # Every drafted token of DISCO pays this. As log_softmax + topk over the 49k vocabulary it was
+    # ~10 % of a bundled draft forward; with the fewest PyTorch ops (below) ~2.6 %, most of it
+    # the ops' own dispatch (~5 us each); the native kernel (kernels/gemv.cpp) does it in two
+    # passes, ~1 % (_native_features).
+    # One softmax (torch's vectorised kernel: 35 us where torch.exp alone takes 55) and no
+    # second exp pass: the top-k from the k blocks of 64 with the largest maxima (they hold the
+    # k largest values), the entropy H = -log max p - sum(p z), z = x - max x.
     x = logits.float().reshape(-1)
-    z = (x - x.max()).clamp_(min=-1e30)
-    e = torch.exp(z)
-    total = e.sum()
-    entropy = float(torch.log(total) - torch.dot(e, z) / total)
-    k = min(TOP_K, e.numel())
-    if e.numel() % BLOCK == 0 and e.numel() >= BLOCK * TOP_K * 4:
-        blocks = e.view(-1, BLOCK)
-        e_top = torch.topk(blocks[torch.topk(blocks.amax(dim=1), k).indices].reshape(-1), k).values
-    else:
-        e_top = torch.topk(e, k).values
-    top = (e_top / total).tolist()
-    return [*top, *[0.0] * (TOP_K - len(top)), entropy, float(e[token] / total)]
+    p = torch.softmax(x, dim=-1)
+    top = _top_values(p)
+    x_max = float(x.max())
+    # (with z = x - max x: sum(p z) is of the entropy's size, sum(p x) of the logits': in float32
+    # the latter's rounding was 1e-4 of the entropy of a 49k-token distribution)
+    entropy = -math.log(top[0]) - float(torch.dot(p, x - x_max)) if top[0] > 0 else math.nan
+    if not math.isfinite(entropy):  # masked (-inf) logits: 0 * -inf; the exact terms instead
+        z = (x - x_max).clamp_(min=-1e30)
+        e = torch.exp(z)
+        total = e.sum()
+        entropy = float(torch.log(total) - torch.dot(e, z) / total)
+    return [*top, *[0.0] * (TOP_K - len(top)), entropy, float(p[token])]
+
+
+def _native_features(logits: torch.Tensor, token: int) -> list[float] | None:
+    """The features from the native kernel, or None: no kernel (no compiler, SPECBED_NATIVE=0),
+    not a CPU fp32 tensor, or a small vocabulary (the simulator's synthetic models: PyTorch's
+    ops are fast enough there, and a simulation need not load the kernel library)."""
+    if logits.numel() < NATIVE_MIN_VOCAB:
+        return None
+    from kernels import native
+
+    return native.token_features(logits, token, TOP_K)
+
+
+def _top_values(p: torch.Tensor) -> list[float]:
+    """The min(TOP_K, V) largest values of ``p``, largest first."""
+    import torch
+
+    k = min(TOP_K, p.numel())
+    if p.numel() % BLOCK == 0 and p.numel() >= BLOCK * TOP_K * 4:
+        blocks = p.view(-1, BLOCK)
+        return torch.topk(blocks[torch.topk(blocks.amax(dim=1), k).indices].reshape(-1), k).values.tolist()
+    return torch.topk(p, k).values.tolist()
 
 
 def window_features(rows: list[list[float]]) -> np.ndarray:
