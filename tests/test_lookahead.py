@@ -313,3 +313,30 @@ def test_draft_token_features_equal_the_softmax_definitions(vocab: int, path: st
         assert chosen[CHOSEN] == pytest.approx(want[CHOSEN], rel=1e-5, abs=1e-8)
     if path == "native":
         assert calls == [True] * 24  # (the kernel answered: no silent fallback to PyTorch)
+
+
+def test_disco_decision_equals_the_classifiers_confidence_against_the_threshold() -> None:
+    # the per-token fast path (standardisation folded into layer 1, a logit compared) decides
+    # exactly as DiscoClassifier.confidence(x) < threshold, the definition training tunes
+    from testbed.spec.lookahead import (
+        TOP_K,
+        DiscoLookahead,
+        load_classifier,
+        resolve_path,
+        window_features,
+    )
+
+    clf = load_classifier(str(resolve_path("models/disco/smollm2_135m+smollm2_draft.json")))
+    gen = np.random.default_rng(3)
+    stops = 0
+    for threshold in (0.2, 0.5, 0.8):
+        policy = DiscoLookahead(8, classifier=clf, threshold=threshold)
+        for _ in range(200):
+            top = np.sort(gen.dirichlet(np.full(TOP_K, 0.3)) * gen.uniform(0.2, 1.0))[::-1]
+            feats = [*top, gen.uniform(0, 6), top[0]]
+            position = int(gen.integers(1, 9))
+            conf = float(clf.confidence(window_features([feats] * position)[-1:])[0])
+            got = policy.after_token(features=feats, position=position)
+            assert got is (Decision.STOP if conf < threshold else Decision.CONTINUE), (conf, threshold)
+            stops += got is Decision.STOP
+    assert 0 < stops < 600  # both decisions were taken

@@ -247,13 +247,21 @@ class DiscoLookahead(LookaheadPolicy):
     def __post_init__(self) -> None:
         self.needs_features = self.per_token = True
         self._cache: dict[tuple, bool] = {}
+        c = self.classifier
+        if c is not None:  # per token: the standardisation folded into the first layer, and the
+            # confidence compared as a logit (sigmoid(z) < t  <=>  z < log(t / (1 - t)))
+            self._w1 = (c.w1 / c.std[None, :]).astype(np.float32)
+            self._b1 = (c.b1 - self._w1 @ c.mean).astype(np.float32)
+            self._w2 = np.asarray(c.w2, dtype=np.float32)
+            t = min(max(self.threshold, 1e-12), 1 - 1e-12)
+            self._stop_below = math.log(t / (1 - t)) - float(c.b2)
 
     def after_token(self, *, features: list[float] | tuple[float, ...] | None, position: int,
                     accepted: bool | None = None) -> Decision:
         assert features is not None and self.classifier is not None
-        x = np.asarray([*features[:ENTROPY + 1], float(position)], dtype=np.float32)[None, :]
-        conf = float(self.classifier.confidence(x)[0])
-        return Decision.STOP if conf < self.threshold else Decision.CONTINUE
+        x = np.asarray([*features[:ENTROPY + 1], float(position)], dtype=np.float32)
+        z = float(np.maximum(self._w1 @ x + self._b1, 0.0) @ self._w2)
+        return Decision.STOP if z < self._stop_below else Decision.CONTINUE
 
 
 @dataclass
