@@ -17,7 +17,7 @@ import math
 import pandas as pd
 
 from testbed.report import ReportContext, markdown_table, section
-from testbed.report.style import SCHEDULE_COLORS, colors_for, grid, savefig
+from testbed.report.style import SCHEDULE_COLORS, colors_for, grid, savefig, seaborn
 from testbed.results import Run
 
 TIMELINE_SCHEDULES = ("async", "sync_tree", "decentralized")
@@ -138,8 +138,6 @@ def decentralized(ctx: ReportContext) -> str:
              "communication C = links·t1 (DSD writes (N−1)·t1 for it)."]
     if ctx.draw and len(d) > 1 and d["latency_ms"].nunique() > 1:
         import matplotlib.pyplot as plt
-
-        from testbed.report.style import seaborn
 
         sns = seaborn()
         fig, axes = plt.subplots(1, 3, figsize=(13, 4))

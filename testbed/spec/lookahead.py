@@ -79,13 +79,10 @@ def draft_token_features(logits: torch.Tensor, token: int, *, chosen_only: bool 
         return [math.nan] * CHOSEN + [math.exp(float(x[token] - torch.logsumexp(x, dim=-1)))]
     if native is not None:
         return native
-    # Every drafted token of DISCO pays this. As log_softmax + topk over the 49k vocabulary it was
-    # ~10 % of a bundled draft forward; with the fewest PyTorch ops (below) ~2.6 %, most of it
-    # the ops' own dispatch (~5 us each); the native kernel (kernels/gemv.cpp) does it in two
-    # passes, ~1 % (_native_features).
-    # One softmax (torch's vectorised kernel: 35 us where torch.exp alone takes 55) and no
-    # second exp pass: the top-k from the k blocks of 64 with the largest maxima (they hold the
-    # k largest values), the entropy H = -log max p - sum(p z), z = x - max x.
+    # Every drafted token of DISCO pays this: ~1 % of a bundled draft forward in the native kernel
+    # (above), ~3.5 % here, where the ops' own dispatch (~5 us each) is most of it, so they are
+    # few: one softmax (35 us, where torch.exp alone takes 55), the top-k from the k blocks of 64
+    # with the largest maxima (they hold the k largest values), H = -log max p - sum(p z).
     x = logits.float().reshape(-1)
     p = torch.softmax(x, dim=-1)
     top = _top_values(p)
@@ -246,7 +243,6 @@ class DiscoLookahead(LookaheadPolicy):
 
     def __post_init__(self) -> None:
         self.needs_features = self.per_token = True
-        self._cache: dict[tuple, bool] = {}
         c = self.classifier
         if c is not None:  # per token: the standardisation folded into the first layer, and the
             # confidence compared as a logit (sigmoid(z) < t  <=>  z < log(t / (1 - t)))
