@@ -27,7 +27,7 @@ import torch
 from real.context import RealContext
 from real.errors import RealSetupError
 from real.links import Kind, Message
-from real.probe_forward import PROBE_TOKENS, RunProbe, model_probe
+from real.probe_forward import PROBE_TOKENS, RunProbe, model_probe, target_probes
 from real.runners import TargetRunner
 from real.schedules.async_tree import (
     Peer,
@@ -114,9 +114,10 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
             apply_tp(model, rank=ctx.info.index, world=ctx.group.tp, group=ctx.tp_group(),
                      allreduce=exp.real.allreduce)
         rec = ctx.rec if ctx.is_leader else RunRecorder()
-        fns = {} if model is None else {role: model_probe(model, params),  # (RunProbe's fields)
-                                        f"{role}_k8": model_probe(model, params, tokens=PROBE_TOKENS,
-                                                                  distributions=role == "target")}
+        fns = {} if model is None else (target_probes(model, params) if role == "target" else  # (RunProbe's fields)
+                                        {role: model_probe(model, params),
+                                         f"{role}_k8": model_probe(model, params, tokens=PROBE_TOKENS,
+                                                                   distributions=False)})
         probe = RunProbe(fns, group=ctx.tp_group() if ctx.group.tp > 1 else None, requests=len(requests))
         side = Side(model, LocalModel(model) if model is not None else None, params, peer, rec,
                     ctx.now, exp.seed, draft_source=ngram_source(exp, params, vocab), probe=probe)

@@ -280,5 +280,5 @@ def run_pipeline(exp: ExperimentConfig) -> RunResult:
     # the stages' shares of the target's probe forward, each timed alone (``_probe_stages``)
     for role, name in (("target", "probe_target_s"), ("target_k8", "probe_target_k8_s")):
         extra[name] = round(sum(st.extra.get("probe_stage", {}).get(role, 0.0) for st in stages), 7)
-    extra.update({k: v for k, v in first.extra.items() if k in ("probe_draft_s", "probe_draft_k8_s")})
+    extra.update({k: v for k, v in first.extra.items() if k in ("probe_draft_s", "probe_draft_k8_s", "probe_draft_pair_s")})
     return RunResult(recorder=rec, baseline=first.baseline, extra=extra)

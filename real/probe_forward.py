@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from testbed.config import ExperimentConfig, ModelConfig
-from testbed.machine import FORWARD_PROBE_CONTEXT, FORWARD_PROBE_TOKENS
+from testbed.machine import FORWARD_PROBE_CONTEXT, FORWARD_PROBE_SMALL_K, FORWARD_PROBE_TOKENS
 
 PROBE_CONTEXT = FORWARD_PROBE_CONTEXT  # slot of the probed token
 PROBE_TOKENS = FORWARD_PROBE_TOKENS  # the target's second probe: a verification-sized forward
@@ -112,16 +112,18 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------- in a run's own processes
-RUN_REPEATS = 4  # per reading: median of 4 after 1 warm-up (~0.45 s for the bundled pair)
+RUN_REPEATS = 4  # per reading: median of 4 after 1 warm-up (~1 s for the bundled pair)
 MAX_READINGS = 8  # per run: before every request, or every n-th of a long prompt set
 PROBE_FIELDS = {"target": "probe_target_s", "target_k8": "probe_target_k8_s", "draft": "probe_draft_s",
-                "draft_k8": "probe_draft_k8_s"}
+                "draft_k8": "probe_draft_k8_s", "draft_pair": "probe_draft_pair_s",
+                **{f"target_k{k}": f"probe_target_k{k}_s" for k in FORWARD_PROBE_SMALL_K}}
 
 
 class RunProbe:
     """Summary fields ``probe_target_s`` / ``probe_target_k8_s`` / ``probe_draft_s``: the probe
     forwards of each role's model — one token at slot ``PROBE_CONTEXT`` (and, for the target,
-    ``PROBE_TOKENS`` tokens there too), standardized at the run's sampling settings — timed by a
+    ``FORWARD_PROBE_SMALL_K`` and ``PROBE_TOKENS`` tokens there too: ``probe_target_k<k>_s``),
+    standardized at the run's sampling settings — timed by a
     real run in its own processes on its own devices just before the requests it decodes (every
     one, or every n-th of more than ``MAX_READINGS``) and averaged: the machine as this run found
     it (``sim.profile_drift=run_probe`` scales a prediction of the run by them). On this host the
@@ -165,13 +167,12 @@ class RunProbe:
 
 def role_probes(target: Any, draft: Any, params: Any) -> ProbeFns:
     """The run's forwards for ``RunProbe``: the target (a real.model.Transformer, maybe a
-    shard) at one and ``PROBE_TOKENS`` tokens, and the draft when it has a forward of its own (a
-    real.drafts model or early-exit draft; not the n-gram lookup) at one token. The KV slots
-    written are overwritten by the first prefill."""
+    shard) at one, ``FORWARD_PROBE_SMALL_K`` and ``PROBE_TOKENS`` tokens, and the draft when it
+    has a forward of its own (a real.drafts model or early-exit draft; not the n-gram lookup) at
+    one token. The KV slots written are overwritten by the first prefill."""
     fns: ProbeFns = {}
     if target is not None:
-        fns["target"] = model_probe(target, params)
-        fns["target_k8"] = model_probe(target, params, tokens=PROBE_TOKENS)
+        fns.update(target_probes(target, params))
     model = getattr(draft, "model", None)
     if model is not None and model.max_seq < PROBE_CONTEXT + 2:
         model.setup_cache(PROBE_CONTEXT + 2)
@@ -180,6 +181,19 @@ def role_probes(target: Any, draft: Any, params: Any) -> ProbeFns:
         fns["draft"] = lambda: draft.forward_probs([1], PROBE_CONTEXT)
     if model is not None:  # a draft model of its own: its tree expansions' size too
         fns["draft_k8"] = model_probe(model, params, tokens=PROBE_TOKENS, distributions=False)
+    if "draft" in fns:  # two steps back to back, after the draft's own forwards: warm steps
+        step = fns["draft"]
+        fns["draft_pair"] = lambda: (step(), step())
+    return fns
+
+
+def target_probes(target: Any, params: Any) -> ProbeFns:
+    """The target's probe forwards: one token, the small verification sizes
+    (``FORWARD_PROBE_SMALL_K``) and ``PROBE_TOKENS`` tokens, with their distributions."""
+    fns: ProbeFns = {"target": model_probe(target, params)}
+    for k in FORWARD_PROBE_SMALL_K:
+        fns[f"target_k{k}"] = model_probe(target, params, tokens=k)
+    fns["target_k8"] = model_probe(target, params, tokens=PROBE_TOKENS)
     return fns
 
 

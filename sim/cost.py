@@ -42,6 +42,14 @@ class CostModel(ABC):
                 layers: tuple[int, int] | None = None) -> float:
         """Seconds for one forward of `tokens` tokens over `context` cached tokens."""
 
+    def draft_chain(self, pending: int, forwards: int, seq_len: int) -> float:
+        """Seconds of a chain draft phase: one forward over the ``pending`` tokens fed first (the
+        sequence then holds ``seq_len``), then ``forwards`` − 1 one-token forwards."""
+        t = self.forward("draft", pending, seq_len - pending)
+        for i in range(1, forwards):
+            t += self.forward("draft", 1, seq_len + i - 1)
+        return t
+
     def tree_forward(self, role: Role, tokens: int, context: int, alone: bool = False) -> float:
         """Seconds for one tree-masked forward of `tokens` tree nodes over `context` cached
         slots (a draft expansion, a tree verification). Models that do not tell the shapes

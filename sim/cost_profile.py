@@ -110,6 +110,7 @@ class ProfileCost(CostModel):
         self.degree = tp_degrees(exp)
         self._factor: dict[str, ShapeFactor | None] = {}
         self._tree_draft: TreeDraftForward | None = None  # a transformer draft's tree forward
+        self.warm_draft = 1.0  # a draft step after a draft step, over one alone (run_probe sets it)
         # async: the groups run concurrently; factor against k with the other group busy
         self._contended: dict[str, tuple[list[float], list[float]]] = {}
         self.concurrent = exp.schedule.name == "async"
@@ -134,15 +135,29 @@ class ProfileCost(CostModel):
         """The profile's time for a probe forward real runs time (real/probe_forward.py):
         ``tokens`` tokens at ``FORWARD_PROBE_CONTEXT`` at the role's TP degree, alone — chain-shaped
         with distributions (the target), every row's logits (a draft over more than one token, as
-        its tree expansions); None for a model without such a forward (the n-gram lookup)."""
+        its tree expansions); None for a model without such a forward (the n-gram lookup).
+        From the very table a prediction reads (the run's temperature class), so that at a probed
+        size the table's own error cancels: one point alone erred by ±10 % on this host."""
         table = self._forward.get(role)
         if not isinstance(table, Table2D):
             return None
         if role == "draft" and tokens > 1:
             return None if self._tree_draft is None else self._tree_draft(tokens, FORWARD_PROBE_CONTEXT)
         t = table(tokens, FORWARD_PROBE_CONTEXT)
+        if role == "draft":
+            # The draft's table times a draft step: its forward *and the pick of its guess*
+            # (real/calibrate.add_draft_probes), which the probe does not make. At T = 1 that
+            # is a draw over the vocabulary, 1.2 ms against the bundled draft's 3 ms forward
+            # here: compared with it, every T = 1 prediction scaled its draft by ~0.7.
+            t = max(t - self.pick_seconds(), 0.5 * t)
         factor = self._factor.get(role)
         return t * factor("chain", tokens, FORWARD_PROBE_CONTEXT) if factor is not None else t
+
+    def pick_seconds(self) -> float:
+        """One pick of a token from a distribution at the run's temperature class (argmax, or one
+        draw), as the profile timed it for the target: the draft picks over the same vocabulary."""
+        pick = self._model("target").get("pick") or {}
+        return float(pick.get(self.temp, next(iter(pick.values())))) if pick else 0.0
 
     def apply_drift(self, factors: dict[str, float]) -> None:
         """Scale ``factors``' roles by them too (a prediction's `ar` baseline takes the
@@ -272,8 +287,7 @@ class ProfileCost(CostModel):
                     out.append((int(rid), k, n, float(t_draft), m_draft, float(t_target), m_target))
                     continue
                 if "draft" in self._forward:  # not bound for `ar` (the baseline)
-                    m_draft = self.forward("draft", pending, seq_len - pending, _raw=True) + sum(
-                        self.forward("draft", 1, seq_len + i - 1, _raw=True) for i in range(1, k))
+                    m_draft = self.draft_chain(pending, k, seq_len, _raw=True)
                 m_target = self.forward("target", k + 1, seq_len - 1, _raw=True)
                 out.append((int(rid), k, n, float(t_draft), m_draft, float(t_target), m_target))
                 seq_len += n + 1
@@ -308,6 +322,15 @@ class ProfileCost(CostModel):
         if _raw:
             return t
         return t * self.role_scale(role, tokens)
+
+    def draft_chain(self, pending: int, forwards: int, seq_len: int, _raw: bool = False) -> float:
+        """A chain draft phase, its steps after the first at ``warm_draft`` times the table's:
+        the table (and a round's first step, after the target's verification streamed its
+        weights through the caches) is a draft forward alone; the next steps follow a draft
+        forward (sim/run_probe.warm_step_ratio)."""
+        first = self.forward("draft", pending, seq_len - pending, _raw=_raw)
+        rest = sum(self.forward("draft", 1, seq_len + i - 1, _raw=_raw) for i in range(1, forwards))
+        return first + self.warm_draft * rest
 
     def role_scale(self, role: str, tokens: int) -> float:
         """The multiplier of ``role``'s forward over ``tokens``: the rescale (per k for the

@@ -7,8 +7,9 @@
   process, over the same probe in the profile (real/probe_forward.py).
 - ``run_probe``: each model's times scaled to the probe forwards the measured real run of the
   same experiment timed in its own processes before its requests (sim/run_probe.py); per
-  forward size: a one-token forward takes the one-token probe's factor, a forward over
-  ``FORWARD_PROBE_TOKENS`` or more the multi-token probe's, log-linearly in between — on a
+  forward size: a forward over a probed size (1, the target's ``FORWARD_PROBE_SMALL_K``,
+  ``FORWARD_PROBE_TOKENS``) takes that probe's factor, the last one's beyond, log-linearly in
+  k between probed sizes — on a
   shared host a bandwidth-bound one-token forward and a partly compute-bound verification (or
   a draft's tree expansion) drift by different amounts (+40 % against +27 % in one run; a
   draft's one-token probe +32 % while its 8-leaf expansions did not move).
@@ -25,7 +26,7 @@ from typing import Any
 
 from sim.profile_tables import CALIBRATE_CMD
 from testbed.config import ConfigError, ExperimentConfig
-from testbed.machine import FORWARD_PROBE_TOKENS
+from testbed.machine import FORWARD_PROBE_SMALL_K, FORWARD_PROBE_TOKENS
 
 
 def apply_profile_drift(cost: Any, exp: ExperimentConfig) -> None:
@@ -44,16 +45,19 @@ def apply_profile_drift(cost: Any, exp: ExperimentConfig) -> None:
 
 
 def _run_probe_drift(cost: Any, exp: ExperimentConfig) -> None:
-    from sim.run_probe import drift_factors, factor_at
+    from sim.run_probe import drift_factors, factor_at, probe_points, warm_step_ratio
 
     n = FORWARD_PROBE_TOKENS
     modelled = {"target": cost.probe_seconds("target"), "target_k8": cost.probe_seconds("target", n),
+                **{f"target_k{k}": cost.probe_seconds("target", k) for k in FORWARD_PROBE_SMALL_K},
                 "draft": cost.probe_seconds("draft") if "draft" in cost._forward else None,
                 "draft_k8": cost.probe_seconds("draft", n) if "draft" in cost._forward else None}
-    factors, cost.drift_run = drift_factors(exp, modelled)
+    factors, cost.drift_run, summary = drift_factors(exp, modelled)
+    cost.warm_draft = warm_step_ratio(summary)
     cost.drift_by_role = {"target": factors["target"], "draft": factors["draft"]}
     cost.drift_k8 = factors["target_k8"]
-    cost.k_factor = lambda role, k: factor_at(k, factors[role], factors[f"{role}_k8"], n)
+    points = {role: probe_points(factors, role) for role in ("target", "draft")}
+    cost.k_factor = lambda role, k: factor_at(k, points[role])
 
 
 def _forward_drift(cost: Any, exp: ExperimentConfig) -> dict[str, float]:

@@ -22,6 +22,9 @@ PROBE_MB = 64  # per buffer: well above any last-level cache of the hosts we run
 # the models' probe forward (real/probe_forward.py): one token at this KV slot, on both backends
 FORWARD_PROBE_CONTEXT = 64  # the smallest context of the profile's tables
 FORWARD_PROBE_TOKENS = 8  # the target's second probe (a verification's size): in-run drift by k
+# the target's verification sizes at small γ, probed too: the shape in k drifts as well as the
+# level (k = 3 over k = 1: 1.40 in a profile, 1.50 in runs five hours later on this host)
+FORWARD_PROBE_SMALL_K = (2, 3, 4)
 PROBE_REPEATS = 5
 
 

@@ -62,6 +62,93 @@ def test_each_role_is_scaled_to_the_measured_runs_probe(tmp_path) -> None:  # ty
         assert drifted.forward(role, k, 300) == pytest.approx(factor * plain.forward(role, k, 300))
 
 
+@pytest.mark.parametrize("temperature", ["0.0", "1.0"])
+def test_the_drafts_probe_is_compared_without_the_pick_its_table_includes(tmp_path, temperature: str) -> None:  # type: ignore[no-untyped-def]
+    """The draft's table times forward + pick (argmax, or a draw at T = 1); the run's probe times
+    the forward alone. A machine exactly as profiled must give the draft a factor of 1 at both
+    temperatures (it was ~0.7 at T = 1 when the draw was left in the reference)."""
+    from tests.test_cost_profile import DRAFT
+
+    profile = make_profile()
+    pick = profile["models"]["smollm2_135m"]["pick"]
+    fwd = profile["models"]["smollm2_exit10"]["forward"]["greedy"]
+    step = {cls: [[v - pick["greedy"] + pick[cls] for v in row] for row in DRAFT] for cls in pick}
+    profile["models"]["smollm2_exit10"]["forward"] = {cls: {**fwd, "seconds": rows} for cls, rows in step.items()}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    pair = "smollm2_135m+smollm2_exit10"
+    run = (f"pair={pair}", f"sampling.temperature={temperature}")
+    common = (*BASE, *run)
+    forward_alone = DRAFT[0][0] - pick["greedy"]  # k = 1 at context 64: the probe's forward
+    target = ProfileCost(compose_exp(*common, "sim.cost_model=profile", f"sim.profile_path={path}"))
+    assert target.probe_seconds("draft") == pytest.approx(forward_alone)
+    _write_real_run(tmp_path / "runs" / "0", *run, "workload.split=test",
+                    probes={"probe_target_s": target.probe_seconds("target"), "probe_draft_s": forward_alone})
+    drifted = ProfileCost(compose_exp(*common, "sim.cost_model=profile", f"sim.profile_path={path}",
+                                      "acceptance=trace", f"acceptance.trace_path={tmp_path / 'runs'}",
+                                      "workload.split=test", "sim.profile_drift=run_probe"))
+    assert drifted.drift_by_role == pytest.approx({"target": 1.0, "draft": 1.0})
+
+
+def test_small_verification_sizes_take_their_own_probes_factor(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A run that probed the target at 3 tokens too: a 3-token forward takes that factor (not the
+    1-to-8 interpolation, which missed a shape that moved by 7 % on this host), sizes between
+    probes are log-linear between the nearest two."""
+    pair = "smollm2_135m+smollm2_exit10"
+    plain = ProfileCost(_predict(tmp_path, pair))
+    _write_real_run(tmp_path / "runs" / "0", f"pair={pair}", "workload.split=test",
+                    probes={"probe_target_s": 1.3 * plain.probe_seconds("target"),
+                            "probe_target_k3_s": 1.5 * plain.probe_seconds("target", 3),
+                            "probe_target_k8_s": 1.1 * plain.probe_seconds("target", 8),
+                            "probe_draft_s": plain.probe_seconds("draft")})
+    drifted = ProfileCost(_predict(tmp_path, pair, "sim.profile_drift=run_probe"))
+    at2 = 1.3 + (1.5 - 1.3) * math.log(2) / math.log(3)
+    at5 = 1.5 + (1.1 - 1.5) * math.log(5 / 3) / math.log(8 / 3)
+    for k, factor in ((1, 1.3), (2, at2), (3, 1.5), (5, at5), (8, 1.1), (12, 1.1)):
+        assert drifted.forward("target", k, 300) == pytest.approx(factor * plain.forward("target", k, 300))
+
+
+def test_a_run_probes_the_target_at_every_size_the_prediction_reads() -> None:
+    """real/probe_forward.target_probes on a tiny random model: RunProbe's summary has a reading
+    for every size sim/run_probe.py reads, under the field name it reads."""
+    from real.model import ModelArgs
+    from real.probe_forward import RunProbe, role_probes, target_probes
+    from sim.run_probe import FIELDS
+    from testbed.spec.sampling import SamplingParams
+    from tests.real_models import TINY, tiny
+
+    model = tiny(args=ModelArgs(**{**TINY.__dict__, "max_seq_len": 128}))
+    probe = RunProbe(target_probes(model, SamplingParams()))
+    probe.take(0)
+    fields = probe.fields()
+    assert {FIELDS[p] for p in FIELDS if p.startswith("target")} == set(fields) - {"probe_points"}
+    assert all(fields[f] > 0 for f in fields)
+    # with an early-exit draft: its one step, and two back to back
+    from real.drafts import EarlyExitDraft
+
+    draft = EarlyExitDraft(model, exit_layer=2, params=SamplingParams())
+    probe = RunProbe(role_probes(model, draft, SamplingParams()))
+    probe.take(0)
+    assert {"probe_draft_s", "probe_draft_pair_s"} <= set(probe.fields())
+
+
+def test_draft_steps_after_the_first_take_the_warm_step_ratio(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two draft steps back to back took 1.6 single ones in the measured run's probe: a chain draft
+    phase charges its first forward as the table says and each later one at 0.8 of it."""
+    pair = "smollm2_135m+smollm2_exit10"
+    plain = ProfileCost(_predict(tmp_path, pair))
+    one = plain.probe_seconds("draft")
+    _write_real_run(tmp_path / "runs" / "0", f"pair={pair}", "workload.split=test",
+                    probes={"probe_target_s": plain.probe_seconds("target"), "probe_draft_s": one,
+                            "probe_draft_pair_s": 1.6 * one})
+    warm = ProfileCost(_predict(tmp_path, pair, "sim.profile_drift=run_probe"))
+    assert warm.warm_draft == pytest.approx(0.8)
+    first = plain.forward("draft", 2, 200)
+    rest = sum(plain.forward("draft", 1, 202 + i - 1) for i in range(1, 5))
+    assert plain.draft_chain(2, 5, 202) == pytest.approx(first + rest)
+    assert warm.draft_chain(2, 5, 202) == pytest.approx(first + 0.8 * rest)
+
+
 def test_the_ngram_draft_takes_the_targets_factor_and_a_missing_run_is_one_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
     pair = "smollm2_135m+ngram3"
     exp = _predict(tmp_path, pair, "sim.profile_drift=run_probe")

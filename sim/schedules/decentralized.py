@@ -115,16 +115,14 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
     pending = 1  # tokens the draft must feed before its first guess (see sync.py)
     generated, r = 0, 0
     out: list[int] = []
-    forward, timeout = cost.forward, env.timeout
+    timeout = env.timeout
     n_max = req.max_new_tokens
     # a sampled model draft's q travels with the window (real/schedules/decentralized.py)
     sends_q = exp.sampling.temperature > 0 and exp.pair.draft.kind == "transformer"
     while generated < n_max:
         gamma = policy.next_gamma()
         t_round = env.now
-        draft_s = forward("draft", pending, seq_len - pending)
-        for i in range(1, gamma):
-            draft_s += forward("draft", 1, seq_len + i - 1)
+        draft_s = cost.draft_chain(pending, gamma, seq_len)
         yield timeout(draft_s)
         rec.span("draft", "draft", t_round, env.now, rid, r)
         q_bytes = draft_dists_bytes(gamma, vocab=exp.pair.target.vocab, topk=s.draft_topk) if sends_q else 0

@@ -46,9 +46,7 @@ def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         outcome = seq.chain_round(gamma, policy)
         k = gamma if outcome.proposed is None else outcome.proposed
         fw = k + outcome.dropped
-        draft_s = forward("draft", pending, seq_len - pending)
-        for i in range(1, fw):
-            draft_s += forward("draft", 1, seq_len + i - 1)
+        draft_s = cost.draft_chain(pending, fw, seq_len)
         forwards += 0 if ngram else fw
         target_s = forward("target", k + 1, seq_len - 1)
         yield timeout(draft_s + target_s)

@@ -20,6 +20,7 @@ from testbed.metrics import KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
 from testbed.report.style import seaborn
 from testbed.report.validate_intervals import add_interval_columns, inside_share
+from testbed.report.validate_sampling import sizing_lines
 from testbed.results import Run
 from testbed.results import run_split as split_of
 from testbed.workloads import TRACE_SOURCE, TRACE_SPLITS
@@ -348,4 +349,5 @@ def validation(ctx: ReportContext) -> str:
             lines.append(f"\n{what}: tokens/s median |error| {err.median():.1f} %, worst "
                          f"{err.max():.1f} %, mean signed {frame['error_pct'].mean():+.1f} % over "
                          f"{len(frame)} runs (`{csv}`). {meaning}")
+    lines += sizing_lines(ctx.runs, val, ctx.out_dir, TARGET_MEDIAN, TARGET_P90)
     return "\n".join(lines)
