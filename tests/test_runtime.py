@@ -184,7 +184,10 @@ def test_ctrl_c_in_the_launcher_ends_every_worker(tmp_path: Path) -> None:
     script = tmp_path / "launcher.py"
     script.write_text(LAUNCHER)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env)
+    # as from a shell: Ctrl-C's default action (a disposition of SIG_IGN would be inherited from
+    # this process, and Python then never raises KeyboardInterrupt in the launcher)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         launcher = psutil.Process(proc.pid)
         deadline = time.monotonic() + 120
