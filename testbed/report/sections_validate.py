@@ -213,28 +213,40 @@ def sibling_replay(measured: Run, source: Run) -> float | None:
     return sum(rates) / len(rates) if rates else None
 
 
-def sibling_replay_frame(runs: list[Run], val: pd.DataFrame) -> pd.DataFrame:
-    """Every measured real run against its trace-source real run replayed on its rounds: the
-    run-to-run timing noise of the machine, a floor for any latency model's tokens/s error."""
+def measured_with_source(runs: list[Run], val: pd.DataFrame, schedules: tuple[str, ...] | None = None
+                         ) -> list[tuple[Run, Run, dict]]:
+    """(measured real run, its trace-source real run, its join key) for every real run of
+    ``val``'s measurements (of ``schedules``, or every one but `ar`) whose trace-source run —
+    the same configuration on the split that fed its prediction — is among ``runs``."""
     def key(run: Run) -> tuple:
         s = run.summary
         return tuple(float(s.get(k)) if k == "temperature" else s.get(k) for k in JOIN if k != "split")
 
-    real = [r for r in runs if r.summary.get("backend") == "real" and r.summary.get("schedule") in ("sync", "sync_tree")]
+    real = [r for r in runs if r.summary.get("backend") == "real"
+            and (r.summary.get("schedule") in schedules if schedules else r.summary.get("schedule") != "ar")]
     sources = {(key(r), run_split(r)): r for r in real if run_split(r) in TRACE_SPLITS}
     measured = {tuple(r[k] for k in JOIN) for _, r in val.iterrows()} if len(val) else set()
-    rows = []
+    out = []
     for run in real:
         split = run_split(run)
         src = sources.get((key(run), TRACE_SOURCE.get(split, "")))
-        if src is None or (*key(run), split) not in measured or not run.summary.get("tokens_per_s"):
+        if src is not None and (*key(run), split) in measured:
+            out.append((run, src, dict(zip(JOIN, (*key(run), split)))))
+    return out
+
+
+def sibling_replay_frame(runs: list[Run], val: pd.DataFrame) -> pd.DataFrame:
+    """Every measured real run against its trace-source real run replayed on its rounds: the
+    run-to-run timing noise of the machine, a floor for any latency model's tokens/s error."""
+    rows = []
+    for run, src, key in measured_with_source(runs, val, ("sync", "sync_tree")):
+        if not run.summary.get("tokens_per_s"):
             continue
         pred = sibling_replay(run, src)
         if pred is None:
             continue
         got = float(run.summary["tokens_per_s"])
-        rows.append({**dict(zip(JOIN, (*key(run), split))), "predicted": pred, "measured": got,
-                     "error_pct": 100.0 * (pred - got) / got})
+        rows.append({**key, "predicted": pred, "measured": got, "error_pct": 100.0 * (pred - got) / got})
     return pd.DataFrame(rows)
 
 

@@ -63,27 +63,15 @@ def prompts_needed(cv: float, goal_pct: float, z: float = Z_MEDIAN) -> int:
 def sampling_frame(runs: list[Run], val: pd.DataFrame) -> pd.DataFrame:
     """One row per measured real run with a trace-source run beside it: family, prompts per split,
     between-prompt CV, observed and expected transfer (%)."""
-    from testbed.report.sections_validate import JOIN, family, run_split
-    from testbed.workloads import TRACE_SOURCE, TRACE_SPLITS
+    from testbed.report.sections_validate import family, measured_with_source
 
-    def key(run: Run) -> tuple:
-        s = run.summary
-        return tuple(float(s.get(k)) if k == "temperature" else s.get(k) for k in JOIN if k != "split")
-
-    real = [r for r in runs if r.summary.get("backend") == "real" and r.summary.get("schedule") != "ar"]
-    sources = {(key(r), run_split(r)): r for r in real if run_split(r) in TRACE_SPLITS}
-    measured = {tuple(r[k] for k in JOIN) for _, r in val.iterrows()} if len(val) else set()
     rows = []
-    for run in real:
-        split = run_split(run)
-        src = sources.get((key(run), TRACE_SOURCE.get(split, "")))
-        if src is None or (*key(run), split) not in measured:
-            continue
+    for run, src, key in measured_with_source(runs, val):
         test, trace = per_prompt_tokens_per_verification(run), per_prompt_tokens_per_verification(src)
         if len(test) == 0 or len(trace) == 0:
             continue
         cv = pooled_cv(trace, test)
-        rows.append({"family": family(run.summary), **dict(zip(JOIN, (*key(run), split))),
+        rows.append({"family": family(run.summary), **key,
                      "n_trace": len(trace), "n_test": len(test), "cv": cv,
                      "transfer_pct": 100.0 * (trace.mean() - test.mean()) / test.mean(),
                      "expected_median_pct": expected_transfer_pct(cv, len(trace), len(test))
