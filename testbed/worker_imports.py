@@ -10,6 +10,10 @@ from testbed.worker_pool import BACKEND_ENV, SERVER_PARENT_ENV, THREADS_ENV, imp
 
 for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):  # as loky's spawned workers
     os.environ.setdefault(var, os.environ.get(THREADS_ENV, "1"))
+if os.environ.get(BACKEND_ENV, "sim") == "sim":
+    # simulated jobs use torch on the CPU only: skip loading out-of-tree device backends through
+    # package entry points (~0.08 s of the import every job waits for)
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 import_job_modules(os.environ.get(BACKEND_ENV, "sim"))
 # Everything imported so far lives as long as the workers: out of the collector's sight, a
 # worker's full collections no longer walk it, and do not write to (so copy) the pages it

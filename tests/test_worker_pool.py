@@ -91,6 +91,44 @@ def test_launcher_reuses_the_warm_workers(fresh_pool: None) -> None:
     assert not [c for c in psutil.Process().children() if "forkserver" in " ".join(c.cmdline())]
 
 
+WAIT_IMPORTS = """
+import sys
+from omegaconf import OmegaConf
+from hydra_plugins.hydra_joblib_launcher.config import JobLibLauncherConf
+from testbed import worker_pool
+launcher = OmegaConf.structured(JobLibLauncherConf)
+launcher.n_jobs = 2
+before = {m for m in ("matplotlib", "testbed.report.sections", "testbed.report.sections_sim") if m in sys.modules}
+assert worker_pool.warm(launcher)
+worker_pool.wait()
+import matplotlib
+from joblib import Parallel, delayed
+def autoload():
+    import os
+    return os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD")
+env = Parallel(**worker_pool.parallel_kwargs(2))(delayed(autoload)() for _ in range(2))
+worker_pool.shutdown()
+print(sorted(before), matplotlib.get_backend(), "testbed.report.sections_sim" in sys.modules, env[0])
+"""
+
+
+def test_while_the_workers_warm_the_main_process_imports_what_the_report_needs() -> None:
+    """The sweep report runs after the last job: its imports are done in the main process's idle
+    wait for the fork server, not on the user's critical path."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-c", WAIT_IMPORTS], cwd=root, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    before, backend, sections, autoload = p.stdout.split()[-4:]
+    assert before == "[]"  # none imported by warm() itself: wait() did
+    assert backend.lower() == "agg" and sections == "True"
+    # simulated jobs load no out-of-tree torch device backends
+    assert autoload == "0"
+
+
 def _started_by(pid: int) -> list:
     """Live processes whose fork server was started by process ``pid`` (workers, the server)."""
     import psutil

@@ -65,7 +65,8 @@ def markdown_table(df: pd.DataFrame, floatfmt: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def _load_sections(runs: list[Run]) -> None:
+def load_sections(runs: list[Run]) -> None:
+    """Register the report sections these runs can use (all but the sim-vs-real ones for none)."""
     import testbed.report.sections  # noqa: F401  (registers the built-in sections)
     import testbed.report.sections_lookahead  # noqa: F401  (lookahead policies: DISCO's Table 1)
     import testbed.report.sections_repeats  # noqa: F401  (real.repeats: intervals, machine state)
@@ -93,7 +94,7 @@ def build_report(paths: Iterable[Path | str], out_dir: Path | str, figures: bool
         import matplotlib
 
         matplotlib.use("Agg")
-    _load_sections(runs)
+    load_sections(runs)
     out = Path(out_dir)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)

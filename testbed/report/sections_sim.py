@@ -147,17 +147,21 @@ def decentralized(ctx: ReportContext) -> str:
                      palette="viridis", ax=axes[0])
         axes[0].set_title(f"speedup over ar on the same pipeline (τ={taus[0] if taus else 0:g})")
         axes[0].set_xlabel("one-way link latency (ms)")
+        axes[0].set_ylabel("speedup over ar (×)")
         axes[0].set_ylim(bottom=0)
         if len(taus) > 1:
             sns.lineplot(data=d, x="tau", y="mean_accepted_len", hue="nodes", marker="o",
                          palette="viridis", ax=axes[1], errorbar=None)
             axes[1].set_title("accepted length vs τ (mean over latencies)")
+            axes[1].set_xlabel("τ (relaxation of the acceptance rule)")
+            axes[1].set_ylabel("mean accepted length (tokens)")
         else:
             axes[1].set_axis_off()
         sns.lineplot(data=lo, x="latency_ms", y="comm_reduction_eq5", hue="nodes", marker="o",
                      palette="viridis", ax=axes[2])
         axes[2].set_title("DSD eq. (5) communication reduction")
         axes[2].set_xlabel("one-way link latency (ms)")
+        axes[2].set_ylabel("share of communication time saved")
         axes[2].set_ylim(bottom=0)
         fig.tight_layout()
         savefig(fig, ctx.figure_path("decentralized.png"))
