@@ -70,3 +70,36 @@ def test_a_trace_without_variation_gives_a_point_interval(tmp_path: Path) -> Non
     assert lo == pytest.approx(3.0) and hi == pytest.approx(3.0)
     lo, hi = x["tokens_per_s_pi95"]
     assert hi - lo == pytest.approx(0.0, abs=1e-9 * hi)
+
+
+def test_resamples_on_every_core_give_the_sequential_interval_and_leave_no_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow prediction's resamples run in a process pool: the interval is the very one of the
+    sequential loop (traces drawn up front, in the same order), and the pool is gone after."""
+    import os
+
+    import psutil
+
+    import sim.prediction_interval as pi
+    from testbed import worker_pool
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: nothing to run in parallel")
+    write_trace_run(tmp_path / "real", gamma=4, requests=4)
+    exp = sim_exp(tmp_path / "real", 4, 4, "sim.prediction_resamples=12")
+    sequential = sim_run(exp).extra
+    workers: list[int] = []
+    real_workers = pi.parallel_workers
+    monkeypatch.setattr(pi, "PARALLEL_FROM_S", 0.0)  # every prediction counts as slow
+    monkeypatch.setattr(pi, "parallel_workers", lambda s: workers.append(real_workers(s)) or workers[-1])
+    try:
+        parallel = sim_run(exp).extra
+    finally:
+        worker_pool.shutdown()
+    assert workers and workers[0] >= 2  # it did use a pool
+    for m in pi.METRICS:
+        assert parallel[f"{m}_pi95"] == sequential[f"{m}_pi95"], m
+    # (the resource trackers joblib and multiprocessing start live as long as this process)
+    workers_left = [c for c in psutil.Process().children(recursive=True)
+                    if c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(c.cmdline())]
+    assert not workers_left

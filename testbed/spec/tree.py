@@ -269,9 +269,10 @@ class DraftTree:
         else:
             child_p, child_tok = top_p.tolist(), top_idx.tolist()
         rank_p = top_p.tolist()
+        rows = dists.unbind(0)  # every row's view in one call (indexing costs ~3 µs a row)
         new: list[int] = []
         for j, node in enumerate(node_ids):
-            self.dists[node] = dists[j]
+            self.dists[node] = rows[j]
             self.slots[node] = self.n_slots
             self.n_slots += 1
             w_parent, prio_parent, depth = self.weights[node], self.priorities[node], self.depths[node] + 1
