@@ -13,6 +13,7 @@ once per combination of its *group* choices (`pair=`, `+split=`); its plain valu
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import difflib
@@ -30,6 +31,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from testbed.compose_cache import shared_config_cache
 from testbed.config import (
     ConfigError,
     ExperimentConfig,
@@ -286,7 +288,10 @@ def preflight(args: list[str], composed: dict[str, Any] | None = None, warm_pool
     sweeps = {o.get_key_element(): o for o in parsed if o.is_sweep_override()}
     user_keys = [o.get_key_element().lstrip("+~") for o in parsed
                  if not o.get_key_element().lstrip("+~").startswith(("hydra", "sweep"))]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+    # one config cache for all the check's compositions (testbed/compose_cache.py), unless the
+    # command moves Hydra's search path (then the files loaded may differ between compositions)
+    cache = shared_config_cache() if not any("searchpath" in o for o in overrides) else contextlib.nullcontext()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None), cache:
         cfg = _compose(plain)
         if cfg.hydra.mode is not None and str(cfg.hydra.mode) == "RunMode.MULTIRUN":
             multirun = True
