@@ -335,8 +335,12 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
             models = {name: build() for name, build in builders.items()}
             from real.calibrate_sampling import add_sampling_tables  # per mode: top-k/top-p extra
             add_sampling_tables(exp, target, prompt, models, drafts_to_measure(exp), log=log)
-            from real.calibrate_tree import add_tree_tables  # a tree expansion beyond its forward
+            from real.calibrate_tree import (  # tree expansions
+                add_ngram_tree_tables,
+                add_tree_tables,
+            )
             add_tree_tables(models, drafts_to_measure(exp), dtypes[exp.real.dtype], log=log)
+            add_ngram_tree_tables(models, drafts_to_measure(exp), target.args.vocab_size, log=log)
             _log_tables(models, log)
             threads = torch.get_num_threads()
     finally:

@@ -108,23 +108,28 @@ def _grow(timed: TimedForward, params: SamplingParams, history: list[int], gen: 
 
 
 def time_bookkeeping(model: Any, vocab: int, params: SamplingParams, *, leaves: Sequence[int] = LEAVES,
-                     passes: int = PASSES, history_len: int = 64) -> dict[str, Any]:
+                     passes: int = PASSES, history_len: int = 64, source: Any = None) -> dict[str, Any]:
     """Median seconds of a tree's per-round draft bookkeeping on trees of width n (each n of
     ``leaves``, budget 2n) grown ``GROWN`` times: select + pack the subtree, and re-root + KV
-    compaction on the two tokens of the tree's top path."""
+    compaction on the two tokens of the tree's top path. ``source(history, generator)`` makes
+    the draft source (default: ``model``'s DraftTreeTokens)."""
     from real.schedules.async_tree import pack_batch
     from real.tree_tokens import DraftTreeTokens
     from testbed.spec.tree_drafter import TreeDrafter
 
     gen = torch.Generator().manual_seed(1)
-    history = torch.randint(vocab, (history_len,), generator=gen).tolist()
+    history = ngram_history(vocab, history_len, gen) if source is not None else \
+        torch.randint(vocab, (history_len,), generator=gen).tolist()
+    if source is None:
+        def source(h: list[int], g: torch.Generator) -> Any:
+            return DraftTreeTokens(model, params, h, g)
     select: dict[int, list[float]] = {n: [] for n in leaves}
     advance: dict[int, list[float]] = {n: [] for n in leaves}
     gc.collect()
     with torch.inference_mode():
         for _ in range(passes):
             for n in leaves:
-                drafter = TreeDrafter(DraftTreeTokens(model, params, list(history), gen), width=n, budget=2 * n)
+                drafter = TreeDrafter(source(list(history), gen), width=n, budget=2 * n)
                 for _ in range(GROWN):
                     if drafter.expand() is None:
                         break
@@ -132,6 +137,8 @@ def time_bookkeeping(model: Any, vocab: int, params: SamplingParams, *, leaves: 
                 pack_batch(drafter.select(), 0.0, 0.0)
                 select[n].append(time.perf_counter() - t)
                 tree = drafter.tree
+                if not tree.children[0]:
+                    continue  # (a lookup that found nothing: no tree to re-root)
                 first = tree.children[0][0]  # topk: the most probable child, and its own
                 second = tree.tokens[tree.children[first][0]] if tree.children[first] else 0
                 t = time.perf_counter()
@@ -140,6 +147,76 @@ def time_bookkeeping(model: Any, vocab: int, params: SamplingParams, *, leaves: 
     return {"leaves": list(leaves),
             "select_s": isotonic([statistics.median(select[n]) for n in leaves]),
             "advance_s": isotonic([statistics.median(advance[n]) for n in leaves])}
+
+
+NGRAM_HISTORY = 256  # tokens: a prompt and its generation so far, which every lookup scans
+
+
+def ngram_history(vocab: int, n: int, gen: torch.Generator) -> list[int]:
+    """A history whose n-grams recur, as text's do (random tokens over the whole vocabulary
+    would never match, and a lookup that finds nothing costs less than one that does)."""
+    phrases = torch.randint(vocab, (16, 8), generator=gen)
+    picks = torch.randint(16, (-(-n // 8),), generator=gen)
+    picks[-1] = picks[0]  # it ends in a phrase seen before: the root's lookup finds a next token
+    return phrases[picks].flatten()[-n:].tolist()
+
+
+def time_ngram_expansions(ngram: int, vocab: int, params: SamplingParams, *,
+                          leaves: Sequence[int] = LEAVES, passes: int = PASSES) -> dict[str, Any]:
+    """Median seconds of one whole expansion of n leaves of the n-gram draft's tree
+    (testbed.spec.ngram.NgramTreeSource: a lookup per leaf, distributions over the target's
+    vocabulary, the children's selection): it has no forward to subtract. An async n-gram draft
+    expands 64 times a round; at temperature 1 an expansion of 4 leaves measured 0.6-0.9 ms in
+    real runs where the simulator charged the chain's 0.05 ms lookup."""
+    from testbed.spec.ngram import NgramTreeSource
+    from testbed.spec.tree_drafter import TreeDrafter
+
+    gen = torch.Generator().manual_seed(0)
+    history = ngram_history(vocab, NGRAM_HISTORY, gen)
+    mode = "topk" if params.greedy else "sample"
+    raw: dict[int, list[float]] = {n: [] for n in leaves}
+    gc.collect()
+    with torch.inference_mode():
+        for _ in range(max(1, passes // 3)):
+            for n in leaves:
+                source = NgramTreeSource(list(history), ngram=ngram, vocab=vocab, mode=mode, generator=gen)
+                drafter = TreeDrafter(source, width=n, budget=4 * n)
+                for _ in range(GROWN):
+                    t = time.perf_counter()
+                    step = drafter.expand()
+                    took = time.perf_counter() - t
+                    if step is None:
+                        break
+                    if len(step.leaves) == n:
+                        raw[n].append(took)
+    # an n-gram tree holds only the continuations the history has: wide expansions may not occur
+    seen = [n for n in leaves if raw[n]]
+    med = [statistics.median(raw[n]) for n in seen]
+    return {"leaves": seen, "seconds": isotonic(med), "raw": med}
+
+
+def add_ngram_tree_tables(models: dict[str, Any], drafts: list[Any], vocab: int, log: Any = print) -> None:
+    """"tree_expand" and "tree_rounds" for every n-gram draft of ``drafts`` (the target's
+    ``vocab``): whole expansions, and the per-round select and re-root."""
+    from real.calibrate import TEMPERATURES
+    from testbed.spec.ngram import NgramTreeSource
+
+    for d in drafts:
+        if d.kind != "ngram" or d.name not in models:
+            continue
+        params = {cls: SamplingParams(temperature=temp) for cls, temp in TEMPERATURES.items()}
+        models[d.name]["tree_expand"] = {cls: time_ngram_expansions(d.ngram, vocab, p) for cls, p in params.items()}
+
+        def source(p: SamplingParams, n: int = d.ngram) -> Any:
+            return lambda h, g: NgramTreeSource(h, ngram=n, vocab=vocab,
+                                                mode="topk" if p.greedy else "sample", generator=g)
+
+        models[d.name]["tree_rounds"] = {cls: time_bookkeeping(None, vocab, p, source=source(p),
+                                                               history_len=NGRAM_HISTORY)
+                                         for cls, p in params.items()}
+        cells = "; ".join(f"{cls}: " + " ".join(f"{n}={1e3 * s:.2f}" for n, s in zip(t["leaves"], t["seconds"]))
+                          for cls, t in models[d.name]["tree_expand"].items())
+        log(f"{d.name} tree expansion (whole: no forward), by leaves (ms): {cells}")
 
 
 def add_tree_tables(models: dict[str, Any], drafts: list[Any], dtype: torch.dtype, log: Any = print) -> None:
@@ -207,11 +284,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     exp = compose_experiment([f"pair={pair}", f"real.dtype={prof.get('dtype', 'fp32')}"])
     torch.set_num_threads(int(prof.get("threads") or 1))
     add_tree_tables(models, drafts_to_measure(exp), dtypes[exp.real.dtype])
+    add_ngram_tree_tables(models, drafts_to_measure(exp), _target_vocab(exp))
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         json.dump(prof, f, indent=1)
     os.replace(tmp, path)
     print(f"updated {path}")
+
+
+def _target_vocab(exp: Any) -> int:
+    """The target's vocabulary size (the n-gram draft's distributions span it)."""
+    from real.weights import load_model
+    from testbed.paths import repo_path
+
+    t = exp.pair.target
+    model, _ = load_model(None if t.path is None else repo_path(t.path), dtype=torch.float32, max_seq=8)
+    return int(model.args.vocab_size)
 
 
 if __name__ == "__main__":

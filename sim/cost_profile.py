@@ -357,7 +357,9 @@ class ProfileCost(CostModel):
     def _forward_unscaled(self, role: Role, tokens: int, context: int,
                           layers: tuple[int, int] | None, shape: str = "chain", alone: bool = False) -> float:
         table = self._forward[role]
-        if isinstance(table, Table1D):  # n-gram lookup: one per round, spread over γ calls
+        if isinstance(table, Table1D) and shape == "tree" and self._tree_expand is not None:
+            t = 0.0  # an n-gram tree expansion is timed whole, lookups included (tree_expand_extra)
+        elif isinstance(table, Table1D):  # n-gram lookup: one per round, spread over γ calls
             t = table(context) / self.gamma
         elif role == "draft" and shape == "tree" and self._tree_draft is not None:
             t = self._tree_draft(tokens, context)  # every node's logits (TreeDraftForward)

@@ -320,3 +320,30 @@ def test_validation_shows_the_standalone_prediction_beside_the_rescaled_one(tmp_
     assert row["drift_factor"] == pytest.approx(1.0)
     assert row["rescaled"] == pytest.approx(row["standalone"] / 2.0, rel=0.05)
     assert row["rescaled_error_pct"] == pytest.approx(100 * (row["rescaled"] / row["measured"] - 1))
+
+
+def test_an_ngram_tree_expansion_is_charged_whole_from_its_own_table(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The n-gram draft's tree expansions (lookups, vocabulary-wide distributions, selection)
+    were charged as the chain's lookup (~0.05 ms) where real async runs measured 0.2-0.9 ms:
+    with a "tree_expand" table an expansion costs that table, and the lookup is not added."""
+    from real.calibrate_tree import add_ngram_tree_tables
+    from testbed.config import compose_experiment
+
+    models = make_profile()["models"]
+    draft = compose_experiment(["pair=smollm2_135m+ngram3"]).pair.draft
+    add_ngram_tree_tables(models, [draft], vocab=512, log=lambda _: None)
+    for key in ("tree_expand", "tree_rounds"):
+        assert set(models["ngram3"][key]) == {"greedy", "sample"}
+    table = models["ngram3"]["tree_expand"]["greedy"]
+    assert table["leaves"] and all(s > 0 for s in table["seconds"])
+    table["seconds"] = [0.001 * n for n in table["leaves"]]  # known values to read back
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**make_profile(), "models": models}))
+    cost = ProfileCost(compose_exp("pair=smollm2_135m+ngram3", "hardware=local", "sim.cost_model=profile",
+                                   f"sim.profile_path={path}", "schedule=async", "sampling.temperature=0.0"))
+    n = table["leaves"][-1]
+    assert cost.tree_forward("draft", n, 100) == 0.0  # the lookups are inside the expansion's time
+    assert cost.tree_expand_extra(n) == pytest.approx(0.001 * n)
+    chain = ProfileCost(compose_exp("pair=smollm2_135m+ngram3", "hardware=local", "sim.cost_model=profile",
+                                    f"sim.profile_path={path}", "schedule.gamma=4", "sampling.temperature=0.0"))
+    assert chain.forward("draft", 1, 100) > 0.0  # the chain still pays its lookup

@@ -20,6 +20,7 @@ from testbed.metrics import KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
 from testbed.report.style import seaborn
 from testbed.report.validate_intervals import add_interval_columns, inside_share
+from testbed.report.validate_own_acceptance import own_acceptance_frame, own_acceptance_lines
 from testbed.report.validate_sampling import sizing_lines
 from testbed.results import Run
 from testbed.results import run_split as split_of
@@ -361,5 +362,18 @@ def validation(ctx: ReportContext) -> str:
             lines.append(f"\n{what}: tokens/s median |error| {err.median():.1f} %, worst "
                          f"{err.max():.1f} %, mean signed {frame['error_pct'].mean():+.1f} % over "
                          f"{len(frame)} runs (`{csv}`). {meaning}")
+    own = own_acceptance_frame(ctx.runs, key_of=validation_key, family_of=family,
+                               is_measurement=lambda r: run_split(r) not in TRACE_SPLITS)
+    if len(own):
+        own.to_csv(ctx.out_dir / "validation_own_acceptance.csv", index=False)
+        lines += own_acceptance_lines(own, "validation_own_acceptance.csv")
     lines += sizing_lines(ctx.runs, val, ctx.out_dir, TARGET_MEDIAN, TARGET_P90)
     return "\n".join(lines)
+
+
+def validation_key(run: Run) -> tuple:
+    """A run's row key in validation.csv (experiment key, prompt split, DSD point)."""
+    s = run.summary
+    key = {**{k: s.get(k) for k in JOIN if k != "split"}, "split": run_split(run), "dsd_point": dsd_point(s)}
+    key["temperature"] = float(key["temperature"]) if key["temperature"] is not None else None
+    return tuple("-" if key[k] is None else key[k] for k in VJOIN)
