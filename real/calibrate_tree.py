@@ -26,6 +26,10 @@ budget 2n, the re-root to the top path of two tokens, whose subtree survives) as
 
     "tree_rounds": {cls: {"leaves": [...], "select_s": [...], "advance_s": [...]}}
 
+The n-gram draft has no forward to subtract: its expansions are timed whole (lookups,
+distributions over the target's vocabulary, the children's selection) by the leaves that occur,
+with its own select and re-root, in the same two tables (``add_ngram_tree_tables``).
+
     python -m real.calibrate_tree [PROFILE]     re-measures both tables of PROFILE's drafts in place
 """
 
