@@ -20,7 +20,11 @@ from testbed.metrics import KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
 from testbed.report.style import seaborn
 from testbed.report.validate_intervals import add_interval_columns, inside_share
-from testbed.report.validate_own_acceptance import own_acceptance_frame, own_acceptance_lines
+from testbed.report.validate_own_acceptance import (
+    own_acceptance_frame,
+    own_acceptance_lines,
+    resimulated,
+)
 from testbed.report.validate_sampling import sizing_lines
 from testbed.results import Run
 from testbed.results import run_split as split_of
@@ -136,27 +140,16 @@ def rescaled_prediction(run: Run) -> float | None:
     round times of the trace-source real run of the *same configuration* (sim.profile_rescale):
     the prediction validate made before stop 11. It leans on a real run of the configuration it
     predicts, so the goals apply to the standalone prediction; this shows what that costs."""
-    import copy
-
-    import yaml
-
-    from testbed.config import ConfigError, to_experiment
-    from testbed.results import build_summary
-
-    exp_file = run.path / "experiment.yaml"
-    if not exp_file.exists() or run.summary.get("schedule") != "sync":
-        return None
-    try:
-        exp = copy.deepcopy(to_experiment(yaml.safe_load(exp_file.read_text())))
+    def edit(exp) -> bool:  # type: ignore[no-untyped-def]
         if exp.sim.cost_model != "profile" or exp.acceptance.oracle != "trace" or exp.sim.profile_rescale:
-            return None
-        exp.pair.name = run.summary.get("pair", exp.pair.name)
+            return False
         exp.sim.profile_rescale, exp.sim.profile_drift = True, "none"
-        exp.sim.prediction_resamples = 0  # the point prediction is what is compared
-        summary = build_summary(exp, backends.get("sim").run(exp))
-    except (ConfigError, FileNotFoundError, ValueError, KeyError):
+        return True
+
+    if run.summary.get("schedule") != "sync":
         return None
-    return summary.get("tokens_per_s")
+    summary = resimulated(run, edit)
+    return summary.get("tokens_per_s") if summary else None
 
 
 def rescaled_frame(runs: list[Run], val: pd.DataFrame) -> pd.DataFrame:

@@ -14,6 +14,7 @@ the run's own round times, which hides a wrong level and exists for `sync` only)
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,10 @@ import pandas as pd
 from testbed.results import Run
 
 
-def own_acceptance_prediction(sim_run: Run, measured_dir: Path) -> dict[str, float] | None:
-    """tokens/s and mean accepted length of ``sim_run``'s experiment predicted again on the
-    acceptance recorded by the real run in ``measured_dir`` (None: it cannot be replayed)."""
+def resimulated(sim_run: Run, edit: Callable[[Any], bool]) -> dict[str, Any] | None:
+    """The summary of ``sim_run``'s experiment simulated again after ``edit(exp)`` (which
+    returns False where the run does not qualify), without a prediction interval; None when it
+    does not qualify or cannot be simulated."""
     import yaml
 
     from testbed import backends
@@ -36,15 +38,24 @@ def own_acceptance_prediction(sim_run: Run, measured_dir: Path) -> dict[str, flo
         return None
     try:
         exp = copy.deepcopy(to_experiment(yaml.safe_load(exp_file.read_text())))
-        if exp.acceptance.oracle != "trace":
-            return None
         exp.pair.name = sim_run.summary.get("pair", exp.pair.name)
-        exp.acceptance.trace_path = str(measured_dir)  # one run named: its own rounds are replayed
-        exp.sim.prediction_resamples = 0
-        summary = build_summary(exp, backends.get("sim").run(exp))
+        if not edit(exp):
+            return None
+        exp.sim.prediction_resamples = 0  # the point prediction is what is compared
+        return build_summary(exp, backends.get("sim").run(exp))
     except (ConfigError, FileNotFoundError, ValueError, KeyError, IndexError):
         return None  # e.g. a per-token policy whose features stop where the real run stopped
-    if not summary.get("tokens_per_s"):
+
+
+def own_acceptance_prediction(sim_run: Run, measured_dir: Path) -> dict[str, float] | None:
+    """tokens/s and mean accepted length of ``sim_run``'s experiment predicted again on the
+    acceptance recorded by the real run in ``measured_dir`` (None: it cannot be replayed)."""
+    def edit(exp: Any) -> bool:
+        exp.acceptance.trace_path = str(measured_dir)  # one run named: its own rounds are replayed
+        return exp.acceptance.oracle == "trace"
+
+    summary = resimulated(sim_run, edit)
+    if not summary or not summary.get("tokens_per_s"):
         return None
     return {"tokens_per_s": float(summary["tokens_per_s"]),
             "mean_accepted_len": float(summary.get("mean_accepted_len") or float("nan"))}
