@@ -18,9 +18,10 @@ ratios 1 (match) / 0 (mismatch), like every other oracle.
 
 Serial token trees (`sync` + ``schedule.tree=true``) replay a recorded serial-tree run: round i
 of a simulated request accepts as many tree nodes as round i of its recorded request did
-(sim.tree_tokens.TraceTreeTokens walks the most probable path of the batch that far). With the
-recorded tree shape (w, bs, d) this reproduces every round; with another shape the accepted
-count is capped by the batch's depth.
+(sim.tree_tokens.TraceTreeTokens walks the most probable path of the batch that far), and a
+round that drafted nothing (an n-gram draft without a continuation) verifies the root alone.
+With the recorded tree shape (w, bs, d) this reproduces every round; with another shape the
+accepted count is capped by the batch's depth.
 
 ``acceptance.trace_path`` is a real run directory, its rounds.parquet, or a directory of runs
 (e.g. a validation sweep): then runs are filtered by the experiment key (schedule sync, or

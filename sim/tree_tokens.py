@@ -177,11 +177,32 @@ class TraceTreeTokens(IidTreeTokens):
     batch children do not hold — a child of the draft's tree beyond the batch keeps its subtree
     through the re-root, as the real draft's does. (A fresh bonus every round threw `async`'s
     subtree away: every batch was the root and its first children, no round accepted more
-    than one token, and tokens per verification came out 12 % under the trace replayed.)"""
+    than one token, and tokens per verification came out 12 % under the trace replayed.)
 
-    def __init__(self, accepted: list[int], match_rate: float, width: int, rng: random.Random) -> None:
+    A recorded round that drafted nothing (an n-gram draft that found no continuation: in
+    validate's async n-gram runs 40-60 % of the rounds) is replayed as such: the round before
+    it ends on a bonus that is no draft candidate (a fresh root, as the real tree had none of
+    its continuation) and the draft gives that root no children, so the target verifies the
+    root alone, a one-token forward. (The rank model alone filled every batch to bs, and the
+    simulated target's forward averaged 63 ms where the real one took 47.)"""
+
+    def __init__(self, accepted: list[int], match_rate: float, width: int, rng: random.Random,
+                 drafted: list[int] | None = None) -> None:
         super().__init__(min(max(match_rate, 1e-3), 1.0 - 1e-3), width, rng)
         self.accepted, self.next_round = accepted, 0
+        self.drafted = drafted if drafted and len(drafted) == len(accepted) else None
+
+    def barren(self, round_idx: int) -> bool:
+        """Whether recorded round ``round_idx`` (wrapping around) drafted nothing."""
+        return self.drafted is not None and self.drafted[round_idx % len(self.drafted)] == 0
+
+    def draft_dists(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        rows = super().draft_dists(tree, nodes)
+        if self.barren(self.next_round) and any(tree.depths[n] == 0 for n in nodes):
+            # the root of the round to be verified next has no continuation: no children
+            rows = rows.clone()
+            rows[[j for j, n in enumerate(nodes) if tree.depths[n] == 0]] = 0.0
+        return rows
 
     def verify(self, batch: TreeBatch, keys: Keys) -> TreeOutcome:
         want = self.accepted[self.next_round % len(self.accepted)] if self.accepted else 0
@@ -197,7 +218,8 @@ class TraceTreeTokens(IidTreeTokens):
             node = nxt
             accepted.append(batch.node_ids[node])
             tokens.append(batch.tokens[node])
-        tokens.append(self._bonus({batch.tokens[c] for c in batch.children[node]}))
+        fresh = self.barren(self.next_round)  # the next round's root is no draft candidate
+        tokens.append(self.width if fresh else self._bonus({batch.tokens[c] for c in batch.children[node]}))
         return TreeOutcome(tokens, len(accepted), _checked(batch, accepted))
 
     def _bonus(self, taken: set[int]) -> int:
@@ -230,7 +252,8 @@ def tree_tokens(ctx: SimContext, req: SimRequest) -> TreeTokens:
     if isinstance(oracle, TraceOracle):
         trace = oracle.traces[req.request_id % len(oracle.traces)]
         return TraceTreeTokens([n for _, n in trace.rounds], trace.match_rate, ctx.exp.schedule.tree_width,
-                               random.Random(1_000_003 * oracle.seed + req.request_id))
+                               random.Random(1_000_003 * oracle.seed + req.request_id),
+                               drafted=[d for d, _ in trace.rounds])
     seq = oracle.sequence(req.request_id, req.prompt_len)
     if isinstance(seq, SyntheticSequence):
         d = ctx.exp.pair.draft

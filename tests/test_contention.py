@@ -226,3 +226,22 @@ def test_the_serial_tree_charges_select_in_its_draft_phase_and_reroot_between_ro
     assert (reroot["end_s"] - reroot["start_s"]).to_numpy() == pytest.approx([0.006] * len(reroot))
     decode = {name: float(f[1]["decode_s"].sum()) for name, f in frames.items()}
     assert decode["bookkeeping"] == pytest.approx(decode["bare"] + 0.008 * len(rounds["bare"]))
+
+
+def test_async_depth_of_an_ngram_draft_times_the_real_probes_one_leaf_expansion(tmp_path: Path) -> None:
+    """The real probe's n-gram tree is a chain (one leaf per expansion, see choose_depth):
+    t_draft is the table's one-leaf expansion, not the four leaves the rounds then charge."""
+    import json
+
+    from sim.engine import run
+
+    prof = profile_with_tp()
+    prof["models"]["ngram3"] = {**prof["models"].get("ngram3", {}), "tree_expand": {
+        "greedy": {"leaves": [1, 4], "seconds": [0.001, 0.004]}}}
+    path = tmp_path / "prof.json"
+    path.write_text(json.dumps(prof))
+    x = run(compose_exp("pair=smollm2_135m+ngram3", "hardware=local", "sim.cost_model=profile",
+                        f"sim.profile_path={path}", "schedule=async", "schedule.tree_budget=8",
+                        "schedule.tree_width=4", "workload.num_prompts=1", "workload.max_new_tokens=16")).extra
+    assert x["t_draft_ms"] == pytest.approx(1.0)
+    assert x["tree_depth_used"] == min(64, math.floor(x["t_target_ms"] / 1.0 + 0.5))

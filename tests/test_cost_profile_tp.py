@@ -4,6 +4,7 @@ and `acceptance=trace` replaying a recorded serial-tree run."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -129,9 +130,11 @@ N_TOKENS = 40
 WIDTH, BUDGET, DEPTH = 2, 6, 3
 
 
-def write_tree_run(path: Path, accepted: list[list[int]], split: str = "trace") -> None:
-    exp = compose_exp("backend=real", "pair=smollm2_135m+smollm2_draft", "schedule=sync",
-                      "schedule.tree=true", f"schedule.tree_width={WIDTH}", f"schedule.tree_budget={BUDGET}",
+def write_tree_run(path: Path, accepted: list[list[int]], split: str = "trace", *,
+                   pair: str = "smollm2_135m+smollm2_draft", schedule: list[str] | None = None,
+                   drafted: list[list[int]] | None = None) -> None:
+    exp = compose_exp("backend=real", f"pair={pair}", *(schedule or ["schedule=sync", "schedule.tree=true"]),
+                      f"schedule.tree_width={WIDTH}", f"schedule.tree_budget={BUDGET}",
                       f"schedule.gamma={DEPTH}", f"workload.split={split}", "workload=humaneval",
                       f"workload.max_new_tokens={N_TOKENS}")
     rec = RunRecorder()
@@ -139,8 +142,9 @@ def write_tree_run(path: Path, accepted: list[list[int]], split: str = "trace") 
         t, generated = 0.0, 0
         for i, n in enumerate(rounds):
             e = min(n + 1, N_TOKENS - generated)
-            rec.round(request_id=rid, round_idx=i, start_s=t, end_s=t + 0.01, drafted=BUDGET - 1,
-                      checked=n + 1, accepted=n, emitted=e, verified_tokens=BUDGET, draft_s=0.004,
+            d = drafted[rid][i] if drafted else BUDGET - 1
+            rec.round(request_id=rid, round_idx=i, start_s=t, end_s=t + 0.01, drafted=d,
+                      checked=n + (d > 0), accepted=n, emitted=e, verified_tokens=d + 1, draft_s=0.004,
                       target_s=0.006)
             t += 0.01
             generated += e
@@ -176,3 +180,34 @@ def test_trace_of_chains_does_not_drive_a_tree(tmp_path: Path) -> None:
                       "workload.num_prompts=1", "acceptance=trace", f"acceptance.trace_path={tmp_path}")
     with pytest.raises(ConfigError, match="recorded sync_tree run"):
         sim_run(exp)
+
+
+@pytest.mark.parametrize("schedule", ["sync_tree", "async"])
+def test_trace_replays_the_rounds_an_ngram_tree_drafted_nothing(tmp_path: Path, schedule: str) -> None:
+    """A recorded round that drafted nothing (the n-gram found no continuation) verifies the
+    root alone in the replay too: a one-token forward, not a batch of bs."""
+    rng = random.Random(7)
+    recorded: list[list[tuple[int, int]]] = []
+    for _ in range(2):
+        rounds, generated = [], 0
+        while generated < N_TOKENS:
+            d = rng.choice([0, 0, BUDGET - 1])
+            # within the depth of a batch grown from a fresh root (async sends one after every
+            # round that drafted nothing)
+            n = min(rng.choice([DEPTH - 1, DEPTH - 1, 1]) if d else 0, N_TOKENS - generated - 1)
+            rounds.append((d, n))
+            generated += n + 1
+        recorded.append(rounds)
+    sched = ["schedule=async"] if schedule == "async" else ["schedule=sync", "schedule.tree=true"]
+    write_tree_run(tmp_path / "real", [[n for _, n in r] for r in recorded], pair="smollm2_135m+ngram3",
+                   schedule=sched, drafted=[[d for d, _ in r] for r in recorded])
+    exp = compose_exp("pair=smollm2_135m+ngram3", "hardware=local", "sim.cost_model=analytic", *sched,
+                      f"schedule.tree_width={WIDTH}", f"schedule.tree_budget={BUDGET}", f"schedule.gamma={DEPTH}",
+                      "workload=humaneval", "workload.split=test", "workload.num_prompts=2",
+                      f"workload.max_new_tokens={N_TOKENS}", "acceptance=trace", f"acceptance.trace_path={tmp_path}")
+    rounds, _, _ = sim_run(exp).recorder.frames()
+    for rid, want in enumerate(recorded):
+        got = rounds[rounds["request_id"] == rid]
+        barren = [d == 0 for d, _ in want]
+        assert [v == 1 for v in got["verified_tokens"]] == barren
+        assert got["accepted"].tolist() == [n for _, n in want]

@@ -122,7 +122,9 @@ def test_ngram_lookup_proposes_the_continuation_of_the_latest_match() -> None:
 
 # ----------------------------------------------------------------------- the bundled model
 @pytest.mark.model
-@pytest.mark.parametrize("draft", ["ngram3", "smollm2_exit10"])
+# the early-exit draft's run is the default suite's longest (~27 s); the model draft's sync is
+# held to `ar` by test_lookahead's static policy on the bundled pair
+@pytest.mark.parametrize("draft", ["ngram3", pytest.param("smollm2_exit10", marks=pytest.mark.slow)])
 def test_sync_equals_ar_on_the_bundled_model(draft: str) -> None:
     from real.engine import run
 

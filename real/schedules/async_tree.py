@@ -28,7 +28,9 @@ d: ``testbed.spec.tree_drafter.async_depth`` — ``schedule.tree_depth``, or, wh
 leaves: the draft's forward, the distributions, the children picked and grown — what the draft
 does d times while the target verifies), measured at the start of the run on the run's own
 devices at the middle of the first request, one after the other (each alone) — the simulator
-models the same two times from its cost model.
+models the same two times from its cost model. The probe's tree grows after the prompt and
+copies of its last token, where the n-gram draft finds one continuation per lookup: its timed
+expansions have one leaf (the simulator charges the same), so d comes out at its cap.
 
 Message formats (``real.links.Message``): ``Kind.TREE`` = int32 rows (token, parent, draw index)
 per batch node, float64 (draft seconds since the last subtree, draft prefill end), and at
