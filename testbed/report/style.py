@@ -76,7 +76,13 @@ def grid(n: int, max_cols: int = 3) -> tuple[int, int]:
 def savefig(fig: Any, path: Any) -> None:
     """Every figure the same way: 100 dpi, natural size figsize × 100 px. Every figure has been
     laid out by ``fig.tight_layout()`` with its legends inside its axes, so no ``bbox_inches=
-    "tight"``: that draws the figure twice (once to measure), ~10 % of a report's drawing."""
+    "tight"``: that draws the figure twice (once to measure), ~10 % of a report's drawing.
+    For the same reason the placeholder layout engine ``tight_layout`` leaves behind is
+    dropped: with any engine set, savefig draws the figure once more before printing it."""
+    from matplotlib.layout_engine import PlaceHolderLayoutEngine
+
+    if isinstance(fig.get_layout_engine(), PlaceHolderLayoutEngine):
+        fig.set_layout_engine(None)
     fig.savefig(path, dpi=100)
     import matplotlib.pyplot as plt
 
