@@ -44,6 +44,7 @@ def test_logits_match_hf_on_the_bundled_gguf() -> None:
 
 
 @pytest.mark.model
+@pytest.mark.slow  # 12 s; the logits test above holds the same model to HF by default
 def test_greedy_64_tokens_match_hf_generate() -> None:
     model, tok = bundled()
     hf = hf_model()
