@@ -180,7 +180,7 @@ class TraceTreeTokens(IidTreeTokens):
     than one token, and tokens per verification came out 12 % under the trace replayed.)
 
     A recorded round that drafted nothing (an n-gram draft that found no continuation: in
-    validate's async n-gram runs 40-60 % of the rounds) is replayed as such: the round before
+    validate's async n-gram runs 40-66 % of the rounds) is replayed as such: the round before
     it ends on a bonus that is no draft candidate (a fresh root, as the real tree had none of
     its continuation) and the draft gives that root no children, so the target verifies the
     root alone, a one-token forward. (The rank model alone filled every batch to bs, and the
