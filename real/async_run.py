@@ -134,7 +134,7 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
                 probe_before_request(side, role, req)
                 draft_worker(side, req, depth, width=s.tree_width, budget=s.tree_budget)
             _idle_during_baseline(exp, requests, peer)
-            served.extra = {"tree_depth_used": depth, "t_target_ms": 1e3 * t_target,
+            served.extra = {**depth.summary_fields(), "t_target_ms": 1e3 * t_target,
                             "t_draft_ms": 1e3 * t_draft, "tree_width": s.tree_width,
                             "tree_budget": s.tree_budget, "tree_kv_reuse": side.kv.reuse}
         served.extra.update({f"async_{k}_s": v for k, v in side.overhead.items()})

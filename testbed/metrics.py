@@ -32,10 +32,14 @@ HEADLINE = ("tokens_per_s", "tpot_ms", "speedup", "alpha", "mean_accepted_len", 
 
 
 def tree_shape(summary: dict[str, Any]) -> str | None:
-    """"w=8 bs=16 d=4" for a token-tree run (the width, budget and depth it used), else None."""
+    """"w=8 bs=16 d=4" for a token-tree run (the width, budget and depth it used), else None;
+    an `async` run whose d changed from round to round: "d=17.3 (15-61)" (mean, range)."""
     w, bs, d = (summary.get(k) for k in ("tree_width", "tree_budget", "tree_depth_used"))
     if w is None or bs is None:
         return None
+    lo, hi, mean = (summary.get(f"tree_depth_{k}") for k in ("min", "max", "mean"))
+    if lo is not None and hi is not None and mean is not None and lo != hi:
+        return f"w={w} bs={bs} d={mean:.3g} ({lo}-{hi})"
     return f"w={w} bs={bs}" + (f" d={d}" if d is not None else "")
 
 

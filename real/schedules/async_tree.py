@@ -23,14 +23,18 @@ Groups. Only the leaders talk over the bridge; every rank of a group runs the sa
 tensor-parallel shard (SPMD), and a leader hands each message it receives to its followers (one
 ``WorkerContext.broadcast_decision`` per message: ``Peer``) so the group stays in lockstep.
 
-d: ``testbed.spec.tree_drafter.async_depth`` — ``schedule.tree_depth``, or, when 0, from t_target
-(a target forward over bs tokens plus both messages) and t_draft (one whole expansion of w
-leaves: the draft's forward, the distributions, the children picked and grown — what the draft
-does d times while the target verifies), measured at the start of the run on the run's own
-devices at the middle of the first request, one after the other (each alone) — the simulator
-models the same two times from its cost model. The probe's tree grows after the prompt and
-copies of its last token, where the n-gram draft finds one continuation per lookup: its timed
-expansions have one leaf (the simulator charges the same), so d comes out at its cap.
+d: ``testbed.spec.tree_drafter.AsyncDepth`` — ``schedule.tree_depth``, or, when 0, for the first
+round from t_target (a target forward over bs tokens plus both messages) and t_draft (one whole
+expansion of w leaves: the draft's forward, the distributions, the children picked and grown —
+what the draft does d times while the target verifies), measured at the start of the run on the
+run's own devices at the middle of the first request, one after the other (each alone) — the
+simulator models the same two times from its cost model. The probe's tree grows after the
+prompt and copies of its last token, where the n-gram draft finds one continuation per lookup:
+its timed expansions have one leaf (the simulator charges the same), so its first d is at the
+cap. Every later round's d comes from the rounds done: the target's time for a subtree (from
+the draft's sending it to the target's sending the verified tokens, plus the reply's one-way
+time) and the draft's expansion times (spans), medians over the last rounds; the leader's d is
+shared with its group's followers.
 
 Message formats (``real.links.Message``): ``Kind.TREE`` = int32 rows (token, parent, draw index)
 per batch node, float64 (draft seconds since the last subtree, draft prefill end), and at
@@ -55,7 +59,7 @@ from real.tree_tokens import DraftTreeTokens, ForwardModel, TargetTreeTokens
 from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams
 from testbed.spec.tree import TreeBatch
-from testbed.spec.tree_drafter import DraftSource, TreeDrafter, TreeKvStats, async_depth
+from testbed.spec.tree_drafter import AsyncDepth, DraftSource, TreeDrafter, TreeKvStats
 
 PROBE_REPEATS = 15  # per model for d (after one warm-up): 5 swung d by ±3 on this host
 PROBE_TURNS = 5  # ... timed in 5 alternating turns of 3 (probe_draft)
@@ -199,8 +203,8 @@ def probe_target(side: Side, exp: Any, req: RealRequest) -> None:
     side.peer.recv()  # the draft's answer: the link's one-way time and d, for the summary
 
 
-def probe_draft(side: Side, exp: Any, req: RealRequest) -> tuple[int, float, float]:
-    """Draft group: (d, t_target, t_draft) from the target's verification forwards, the
+def probe_draft(side: Side, exp: Any, req: RealRequest) -> tuple[AsyncDepth, float, float]:
+    """Draft group: (d's controller, t_target, t_draft) from the target's verification forwards, the
     message's one-way time (both messages of a round) and the expansions timed here. The two
     groups time in ``PROBE_TURNS`` alternating turns, each alone (the simulator's choose_depth
     likewise takes the uncontended figures): one group's figure measured seconds after the
@@ -219,8 +223,8 @@ def probe_draft(side: Side, exp: Any, req: RealRequest) -> tuple[int, float, flo
         drafts += [t for t in (timed() for _ in range(PROBE_REPEATS // PROBE_TURNS)) if t is not None]
     t_draft = side.peer.share(_median(drafts))  # (the leader's, as one_way)
     t_target = _median(targets) + 2 * one_way
-    depth = async_depth(tree_depth=s.tree_depth, t_target=t_target, t_draft=t_draft)
-    side.peer.send(Message(Kind.DATA, request_id=req.request_id, version=depth,
+    depth = AsyncDepth(tree_depth=s.tree_depth, t_target=t_target, t_draft=t_draft, reply_s=one_way)
+    side.peer.send(Message(Kind.DATA, request_id=req.request_id, version=depth.depth,
                            tensors=(torch.tensor([t_target, t_draft], dtype=torch.float64),)))
     return depth, t_target, t_draft
 
@@ -294,12 +298,14 @@ def target_worker(side: Side, req: RealRequest, eos: frozenset[int],
     return out
 
 
-def draft_worker(side: Side, req: RealRequest, depth: int, *, width: int, budget: int,
+def draft_worker(side: Side, req: RealRequest, depth: AsyncDepth | int, *, width: int, budget: int,
                  ) -> TreeDrafter:
     """SwiftSpec Algorithm 1, draft side, for one request: grow the tree, send the best subtree
-    of ``budget`` nodes, grow ``depth`` more times while the target verifies, re-root on the
-    verified tokens; until the target says the request is done. Returns the drafter as it
-    ended (its tree and KV cache, for tests)."""
+    of ``budget`` nodes, grow d more times while the target verifies (d: ``depth``, an int or
+    the run's ``AsyncDepth``, which the rounds' times update), re-root on the verified tokens;
+    until the target says the request is done. Returns the drafter as it ended (its tree and
+    KV cache, for tests)."""
+    ctl = depth if isinstance(depth, AsyncDepth) else AsyncDepth.constant(depth)
     rid, rec, now = req.request_id, side.rec, side.now
     ids = list(req.prompt_ids)
     t0 = now()
@@ -318,28 +324,36 @@ def draft_worker(side: Side, req: RealRequest, depth: int, *, width: int, budget
         rec.span("draft", "expand", s0, now(), rid, r)
         return now() - s0
 
-    r, draft_s = 0, 0.0
+    r, draft_s, times = 0, 0.0, []  # times: expansions since d was last updated
     while len(tree) < drafter.budget:
         dt = expand(r)
         if dt is None:
             break
         draft_s += dt
+        times.append(dt)
     while True:
         s0 = now()
         batch = drafter.select()
+        sent = now()
         side.peer.send(Message(Kind.TREE, request_id=rid, round=r, version=r, committed=len(ids),
                                tensors=pack_batch(batch, draft_s, prefill_end)))
         side.charge("select", now() - s0)
         draft_s = 0.0
-        for _ in range(depth):  # grow while the target verifies
+        for _ in range(ctl.next_round()):  # grow while the target verifies
             dt = expand(r + 1)
             if dt is None:
                 break
             draft_s += dt
+            times.append(dt)
         msg = side.peer.recv()
         if msg.kind not in (Kind.VERIFIED, Kind.STOP) or msg.request_id != rid or msg.version != r:
             raise StaleTree(f"draft expected the verified tokens of request {rid} round {r}, got "
                             f"kind {msg.kind} request {msg.request_id} version {msg.version}")
+        if ctl.adaptive:  # the leader's reading for its whole group (the followers' clocks differ)
+            # (round 0's subtree may have waited for the target's prefill: no target time)
+            span = msg.sent_s - sent if r else None
+            ctl.depth = side.peer.share(ctl.observe(target_span=span, expansions=times))
+        times = []
         if msg.kind == Kind.STOP:
             return drafter
         s0 = now()
@@ -354,6 +368,7 @@ def draft_worker(side: Side, req: RealRequest, depth: int, *, width: int, budget
             if dt is None:
                 break
             draft_s += dt
+            times.append(dt)
 
 
 @register("async")

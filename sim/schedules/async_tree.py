@@ -18,12 +18,14 @@ subtree one way, the verified tokens back). Per iteration:
   their calibrated times (``cost.tree_round_bookkeeping``, real/calibrate_tree.py): the real
   draft does them on its cores while the target waits for the next subtree.
 
-d: ``testbed.spec.tree_drafter.async_depth`` (``schedule.tree_depth``, or, when 0, as SwiftSpec
-sets it from t_target / t_draft), with t_target = one verification (target forward over bs
-tokens plus both NVLink messages) and t_draft = one whole expansion (its forward and the rest
-of growing the tree, tree_expand_extra), both modelled at the
-middle of a request, each without the other group's contention (the real backend times them one
-after the other).
+d: ``testbed.spec.tree_drafter.AsyncDepth`` (``schedule.tree_depth``, or, when 0, as SwiftSpec
+sets it from t_target / t_draft), for the first round with t_target = one verification (target
+forward over bs tokens plus both NVLink messages) and t_draft = one whole expansion (its forward
+and the rest of growing the tree, tree_expand_extra), both modelled at the middle of a request,
+each without the other group's contention (the real backend times them one after the other);
+for every later round from the modelled times of the rounds done, as the real draft does from
+its measured ones (the target's time for a subtree from the draft's sending it to the target's
+sending the verified tokens, plus the reply's transfer; the expansions' times).
 """
 
 from __future__ import annotations
@@ -39,18 +41,19 @@ from sim.links import Link
 from sim.pipeline import TOKEN_BYTES, topology_for
 from sim.schedules import register
 from sim.tree_tokens import BATCH_BYTES_PER_NODE, TimedTreeDrafter, tree_tokens
-from testbed.spec.tree_drafter import async_depth
+from testbed.spec.tree_drafter import AsyncDepth
 
 
 def choose_depth(ctx: SimContext, req: SimRequest, to_target: Link, to_draft: Link,
-                 ) -> tuple[int, float, float]:
-    """(d, t_target, t_draft) — see the module docstring."""
+                 ) -> tuple[AsyncDepth, float, float]:
+    """(d's controller, t_target, t_draft) — see the module docstring."""
     s, cost = ctx.exp.schedule, ctx.cost
     ref = req.prompt_len + req.max_new_tokens // 2
     bs, w = s.tree_budget, s.tree_width
     # each forward alone, as the real backend times them (one after the other, at the start)
+    reply_s = to_draft.transfer_time(TOKEN_BYTES * (bs + 1))
     t_target = (cost.tree_forward("target", bs, ref, alone=True) + to_target.transfer_time(BATCH_BYTES_PER_NODE * bs)
-                + to_draft.transfer_time(TOKEN_BYTES * (bs + 1)))
+                + reply_s)
     # one whole expansion, as TimedTreeDrafter charges it (the real backend times expand()).
     # The real probe's tree grows after the prompt and copies of its last token: there an
     # n-gram draft finds one continuation per lookup, and every timed expansion has one leaf
@@ -58,7 +61,8 @@ def choose_depth(ctx: SimContext, req: SimRequest, to_target: Link, to_draft: Li
     # the real runs chose 64, and the simulated draft kept pace where the real one fell behind)
     leaves = 1 if ctx.exp.pair.draft.kind == "ngram" else w
     t_draft = cost.tree_forward("draft", leaves, ref, alone=True) + cost.tree_expand_extra(leaves)
-    return async_depth(tree_depth=s.tree_depth, t_target=t_target, t_draft=t_draft), t_target, t_draft
+    return (AsyncDepth(tree_depth=s.tree_depth, t_target=t_target, t_draft=t_draft, reply_s=reply_s),
+            t_target, t_draft)
 
 
 class Peer:
@@ -119,19 +123,20 @@ def target_worker(side: Side, req: SimRequest, toks: Any, start: float, out: lis
                   emitted=emitted, verified_tokens=len(batch), draft_s=draft_s, target_s=dt)
         t_prev = env.now
         done = generated >= n_max
-        side.peer.send(TOKEN_BYTES * (len(res.tokens) + 1), (res.tokens, done), rid, r)
+        side.peer.send(TOKEN_BYTES * (len(res.tokens) + 1), (res.tokens, done, env.now), rid, r)
         r += 1
         if done:
             finished.update(end=env.now, rounds=r)
             return
 
 
-def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: int,
+def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: AsyncDepth,
                  ) -> Generator[Any, Any, None]:
     """SwiftSpec Algorithm 1, draft side, for one request: grow the tree, send the best subtree
-    of ``budget`` nodes, grow ``depth`` more times while the target verifies, re-root on the
-    verified tokens; until the target says the request is done."""
-    env, rec, rid = side.env, side.rec, req.request_id
+    of ``budget`` nodes, grow d more times while the target verifies (d: the run's
+    ``AsyncDepth``, which the rounds' times update), re-root on the verified tokens; until the
+    target says the request is done."""
+    env, rec, rid, ctl = side.env, side.rec, req.request_id, depth
     tree = drafter.tree
 
     def expand(r: int) -> Generator[Any, Any, float | None]:
@@ -155,23 +160,29 @@ def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: 
         rec.span("draft", kind, s0, env.now, rid, r)
 
     select_s, reroot_s = side.cost.tree_round_bookkeeping(drafter.width)
-    r, draft_s = 0, 0.0
+    r, draft_s, times = 0, 0.0, []  # times: expansions since d was last updated
     while len(tree) < drafter.budget:
         dt = yield from expand(r)
         if dt is None:
             break
         draft_s += dt
+        times.append(dt)
     while True:
         yield from bookkeeping("select", select_s, r)
         batch, keys = drafter.select()
+        sent = env.now
         side.peer.send(BATCH_BYTES_PER_NODE * len(batch), (batch, keys, draft_s), rid, r)
         draft_s = 0.0
-        for _ in range(depth):  # grow while the target verifies
+        for _ in range(ctl.next_round()):  # grow while the target verifies
             dt = yield from expand(r + 1)
             if dt is None:
                 break
             draft_s += dt
-        tokens, done = yield side.peer.recv()
+            times.append(dt)
+        tokens, done, reply_sent = yield side.peer.recv()
+        # (round 0's subtree may wait for the target's prefill: no target time, as the real draft)
+        ctl.observe(target_span=reply_sent - sent if r else None, expansions=times)
+        times = []
         if done:
             return
         drafter.advance(tokens)  # re-root + KV compaction
@@ -182,6 +193,7 @@ def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: 
             if dt is None:
                 break
             draft_s += dt
+            times.append(dt)
 
 
 @register("async")
@@ -216,7 +228,7 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     ids = out if ctx.oracle.produces_ids else []
     rec.request(rid, req.prompt_id, req.prompt_len, ids, len(out), prefill_s,
                 finished["end"] - start, int(finished["rounds"]))
-    ctx.extra.update(drafter.summary_fields(), tree_depth_used=depth,
+    ctx.extra.update(drafter.summary_fields(), **depth.summary_fields(),
                      t_target_ms=1e3 * t_target, t_draft_ms=1e3 * t_draft)
     if hasattr(cost, "contention_factor"):  # sim.cost_profile: the groups slow each other down
         sched = ctx.exp.schedule

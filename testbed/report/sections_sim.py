@@ -49,7 +49,8 @@ def gpu_split_frame(df: pd.DataFrame) -> pd.DataFrame:
     if asyn.groupby(["pair", "hardware"])["target_gpus"].nunique().max() < 2:
         return pd.DataFrame()
     m["split"] = [split_label(r) for _, r in m.iterrows()]
-    m["tree_depth_used"] = _col(m, "tree_depth_used")
+    # d of the run: its mean over the rounds where it changed (AsyncDepth), else the one it used
+    m["tree_depth_used"] = _col(m, "tree_depth_mean").fillna(_col(m, "tree_depth_used"))
     agg = (m.groupby(["pair", "hardware", "split", "schedule", "target_gpus", "draft_gpus"],
                      dropna=False)
             .agg(tokens_per_s=("tokens_per_s", "mean"), speedup=("speedup", "mean"),

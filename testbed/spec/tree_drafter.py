@@ -41,6 +41,11 @@ API
 ``schedule=async`` runs while the target verifies (SwiftSpec §3.2); both backends call it, the
 simulator with modelled times, the real backend with times measured on its own devices.
 
+``AsyncDepth(tree_depth=, t_target=, t_draft=, reply_s=)`` — d round by round: the first round's
+from the probe's two times, every later round's from the times of the rounds done (``observe``:
+the target's time for the last subtree, the last expansions' times). Both backends' draft
+workers drive it, with modelled or measured times.
+
 ``TreeKvStats`` — ``kept`` / ``freed`` tree KV slots; pass one instance to every drafter of a run
 to get the run's reuse ratio.
 """
@@ -48,7 +53,10 @@ to get the run's reuse ratio.
 from __future__ import annotations
 
 import math
+import statistics
 from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +117,72 @@ def async_depth(*, tree_depth: int, t_target: float, t_draft: float) -> int:
         return tree_depth
     ratio = t_target / t_draft if t_draft > 0 else float(MAX_ASYNC_DEPTH)
     return min(MAX_ASYNC_DEPTH, max(1, math.floor(ratio + 0.5)))
+
+
+class AsyncDepth:
+    """d of every round of ``schedule=async`` with ``schedule.tree_depth=0``: ``async_depth`` of
+    the median target time of the last ``TARGET_WINDOW`` rounds and the median time of the last
+    ``DRAFT_WINDOW`` expansions; the probe's two times only for the first round.
+
+    Why not the probe's d throughout: the probe times expansions of a tree grown at one point
+    of one request, alone. What the draft does while the target verifies differs: an n-gram's
+    expansions have 1 to w leaves depending on the text (the probe's tree, grown on copies of
+    one token, has one: d came out at its cap of 64 where a round's expansions then took ~1.5
+    ms each against a ~65 ms verification, and the rounds after a full one ran 25-45 % long),
+    and both groups slow each other down. A round's own times measure all of that.
+
+    ``observe`` takes the target's time for the last subtree as the draft sees it: from its
+    sending the subtree to the target's sending the verified tokens (``target_span``: the
+    subtree's transfer, the verification, the bookkeeping), plus the reply's one-way time
+    ``reply_s`` — the same quantity as the probe's t_target (a verification plus both
+    messages). With ``tree_depth`` > 0, d is that and never changes."""
+
+    TARGET_WINDOW = 8  # rounds
+    DRAFT_WINDOW = 32  # expansions (a few rounds' worth)
+
+    def __init__(self, *, tree_depth: int, t_target: float, t_draft: float, reply_s: float) -> None:
+        self.fixed, self.reply_s = tree_depth, reply_s
+        self.depth = async_depth(tree_depth=tree_depth, t_target=t_target, t_draft=t_draft)
+        self.first = self.depth
+        self._targets: deque[float] = deque(maxlen=self.TARGET_WINDOW)
+        self._drafts: deque[float] = deque(maxlen=self.DRAFT_WINDOW)
+        self._used: list[int] = []
+
+    @classmethod
+    def constant(cls, depth: int) -> AsyncDepth:
+        """d = ``depth`` (0 allowed: no growth while the target verifies) in every round."""
+        ctl = cls(tree_depth=1, t_target=0.0, t_draft=0.0, reply_s=0.0)
+        ctl.depth = ctl.first = depth
+        return ctl
+
+    @property
+    def adaptive(self) -> bool:
+        return self.fixed <= 0
+
+    def next_round(self) -> int:
+        """d for the round about to be drafted (recorded for ``summary_fields``)."""
+        self._used.append(self.depth)
+        return self.depth
+
+    def observe(self, *, target_span: float | None, expansions: Iterable[float]) -> int:
+        """Fold in one round's times (``target_span`` None: not known, e.g. the last round);
+        returns d for the next round."""
+        if not self.adaptive:
+            return self.depth
+        self._drafts.extend(expansions)
+        if target_span is not None and math.isfinite(target_span):
+            self._targets.append(target_span + self.reply_s)
+        if self._targets and self._drafts:
+            self.depth = async_depth(tree_depth=0, t_target=statistics.median(self._targets),
+                                     t_draft=statistics.median(self._drafts))
+        return self.depth
+
+    def summary_fields(self) -> dict[str, float]:
+        """``tree_depth_used``: the first round's d (the probe's); ``tree_depth_mean`` /
+        ``_min`` / ``_max`` over every round drafted."""
+        used = self._used or [self.depth]
+        return {"tree_depth_used": self.first, "tree_depth_mean": sum(used) / len(used),
+                "tree_depth_min": min(used), "tree_depth_max": max(used)}
 
 
 @dataclass
