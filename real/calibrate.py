@@ -13,7 +13,8 @@ for greedy (temperature 0: argmax) and sampled (softmax + draw over the vocabula
   tree-shaped, all-reduce latency against size and the round trip between two pinned workers
   (real/calibrate_tp.py; ``tp=False`` skips it);
 - messages between two worker processes (torch.distributed gloo on loopback): one-way time
-  for a few sizes and its α–β fit (latency + bytes / bandwidth).
+  for a few sizes and its α–β fit (latency + bytes / bandwidth); on two cores also the async
+  bridge as an async run uses it, the sender computing (real/calibrate_bridge.py).
 
 Every probe is timed once per pass, passes interleave all probes in random order, and a point
 is the median over passes (a burst of load from a neighbour spoils one sample of many probes,
@@ -354,6 +355,12 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
                 f"{lk['bandwidth_gbps'] or float('inf'):.2f} GB/s")
         except Exception as e:  # noqa: BLE001 - the forward tables are still useful
             log(f"messages: skipped ({type(e).__name__}: {e})")
+    if messages and len(os.sched_getaffinity(0)) >= 2:
+        from real.calibrate_bridge import measure_bridge
+        try:  # the async bridge as an async run uses it (the sender computing)
+            links["bridge"] = measure_bridge(exp, log=log)
+        except Exception as e:  # noqa: BLE001 - the forward tables are still useful
+            log(f"bridge messages: skipped ({type(e).__name__}: {e})")
     tp_part = _measure_tp(exp, models, tp_grid, log) if tp else {}
     for name, tables in tp_part.get("models", {}).items():
         models[name].update(tables)

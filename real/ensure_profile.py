@@ -52,6 +52,9 @@ def profile_is_current(path: Path, exp: ExperimentConfig) -> tuple[bool, str]:
                 and "tree_rounds" not in prof["models"][m.name]]
     if no_async:  # a tree's per-round select and re-root (real/calibrate_tree.time_bookkeeping)
         return False, f"profile has no tree bookkeeping table of {', '.join(no_async)}"
+    contended = any("contended" in m for m in prof["models"].values())
+    if contended and "bridge" not in prof.get("links", {}):  # measured beside it on 2 cores
+        return False, "profile has no async bridge message table (real/calibrate_bridge.py)"
     return True, "current"
 
 

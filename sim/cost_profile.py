@@ -49,6 +49,7 @@ trace-split run of each grid point, never the run it predicts).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ from sim.profile_tables import (
     temperature_class,
 )
 from testbed.config import ConfigError, ExperimentConfig
+from testbed.links import LinkModel
 from testbed.machine import FORWARD_PROBE_CONTEXT
 from testbed.paths import profile_path
 
@@ -404,6 +406,16 @@ class ProfileCost(CostModel):
     def link(self) -> dict[str, float] | None:
         """α–β of messages between two worker processes (gloo on loopback), if measured."""
         return self.profile.get("links", {}).get("gloo_loopback")
+
+    def bridge_link(self, name: str) -> LinkModel | None:
+        """The async bridge between the two groups of this host as measured
+        (real/calibrate_bridge.py: the testbed's transport, the sender computing), as a link
+        model named ``name``; None when the profile has no such table (hardware links then)."""
+        table = self.profile.get("links", {}).get("bridge")
+        if not table:
+            return None
+        beta = float(table["beta_s_per_byte"])
+        return LinkModel(name, float(table["alpha_s"]), 1.0 / beta if beta > 0 else math.inf, 0.0)
 
 
 @register("profile")

@@ -306,4 +306,3 @@ class TimedTreeDrafter:
         return self.core.summary_fields()
 
 
-BATCH_BYTES_PER_NODE = 12  # token id, position, parent index (int32 each): the mask is implied

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 TOKEN_BYTES = 4  # a token id on the wire (int32)
 TREE_NODE_BYTES = 3 * TOKEN_BYTES  # token id, position, parent index (int32 each): the mask is implied
@@ -121,6 +121,21 @@ def tokens_bytes(n: int) -> int:
 def dists_bytes(k: int, vocab: int, dtype_bytes: int = 4) -> int:
     """k draft distributions over the vocabulary (needed for lossless sampling at T > 0)."""
     return k * vocab * dtype_bytes
+
+
+TREE_TIMES_BYTES = 16  # two float64: the draft's seconds since the last subtree, its prefill end
+
+
+def subtree_message_bytes(batch: Any, *, vocab: int, sampled: bool) -> int:
+    """A subtree (testbed.spec.tree.TreeBatch) as the async draft sends it to the target
+    (real/schedules/async_tree.pack_batch): a row per node, the two times, and when ``sampled``
+    (temperature > 0) the draft's q (fp32 over the ``vocab``) at every node with children in
+    the batch — what the target's lossless multi-candidate rule needs. At T = 1 on a 49k
+    vocabulary that is ~0.8 MB for a batch of 8, against ~0.1 kB of rows. (The simulator's
+    trees may be grown from ranks rather than distributions: the count comes from the tree's
+    shape and the experiment, not from the tree's mode.)"""
+    inner = sum(1 for kids in batch.children if kids) if sampled else 0
+    return len(batch.tokens) * TREE_NODE_BYTES + TREE_TIMES_BYTES + dists_bytes(inner, vocab)
 
 
 def draft_dists_bytes(k: int, *, vocab: int, topk: int) -> int:

@@ -40,7 +40,8 @@ from sim.context import SimContext, SimRequest
 from sim.links import Link
 from sim.pipeline import TOKEN_BYTES, topology_for
 from sim.schedules import register
-from sim.tree_tokens import BATCH_BYTES_PER_NODE, TimedTreeDrafter, tree_tokens
+from sim.tree_tokens import TimedTreeDrafter, tree_tokens
+from testbed.links import TREE_NODE_BYTES, TREE_TIMES_BYTES, subtree_message_bytes
 from testbed.spec.tree_drafter import AsyncDepth
 
 
@@ -52,8 +53,9 @@ def choose_depth(ctx: SimContext, req: SimRequest, to_target: Link, to_draft: Li
     bs, w = s.tree_budget, s.tree_width
     # each forward alone, as the real backend times them (one after the other, at the start)
     reply_s = to_draft.transfer_time(TOKEN_BYTES * (bs + 1))
-    t_target = (cost.tree_forward("target", bs, ref, alone=True) + to_target.transfer_time(BATCH_BYTES_PER_NODE * bs)
-                + reply_s)
+    # (a subtree's rows: the real probe's one-way time is that of a small message too)
+    t_target = (cost.tree_forward("target", bs, ref, alone=True)
+                + to_target.transfer_time(TREE_NODE_BYTES * bs + TREE_TIMES_BYTES) + reply_s)
     # one whole expansion, as TimedTreeDrafter charges it (the real backend times expand()).
     # The real probe's tree grows after the prompt and copies of its last token: there an
     # n-gram draft finds one continuation per lookup, and every timed expansion has one leaf
@@ -63,6 +65,23 @@ def choose_depth(ctx: SimContext, req: SimRequest, to_target: Link, to_draft: Li
     t_draft = cost.tree_forward("draft", leaves, ref, alone=True) + cost.tree_expand_extra(leaves)
     return (AsyncDepth(tree_depth=s.tree_depth, t_target=t_target, t_draft=t_draft, reply_s=reply_s),
             t_target, t_draft)
+
+
+def bridge_links(ctx: SimContext) -> tuple[Link, Link]:
+    """(draft -> target, target -> draft): the topology's links (the hardware's NVLink figures),
+    or, where the profile cost model has measured this host's bridge (`ProfileCost.bridge_link`:
+    the testbed's transport with the sender computing), links with those figures — one pair per
+    simulation, as the topology's."""
+    links = ctx.state.get("bridge_links")
+    if links is None:
+        topo = topology_for(ctx)
+        links = (topo.link("draft", "target"), topo.link("target", "draft"))
+        measured = getattr(ctx.cost, "bridge_link", None)
+        models = [measured(lk.name) for lk in links] if measured is not None else [None, None]
+        if all(m is not None for m in models):
+            links = tuple(Link.of(ctx.env, m, ctx.exp.seed, lk.rec) for m, lk in zip(models, links))
+        ctx.state["bridge_links"] = links
+    return links
 
 
 class Peer:
@@ -94,6 +113,8 @@ class Side:
     group: simpy.Resource
     peer: Peer
     rec: Any  # testbed.recorder.RunRecorder
+    vocab: int = 0  # the pair's vocabulary (the draft's q rows in a subtree message at T > 0)
+    sampled: bool = False  # temperature > 0: subtrees carry q
 
     def now(self) -> float:
         return self.env.now
@@ -160,6 +181,7 @@ def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: 
         rec.span("draft", kind, s0, env.now, rid, r)
 
     select_s, reroot_s = side.cost.tree_round_bookkeeping(drafter.width)
+    vocab, sampled = side.vocab, side.sampled
     r, draft_s, times = 0, 0.0, []  # times: expansions since d was last updated
     while len(tree) < drafter.budget:
         dt = yield from expand(r)
@@ -171,7 +193,7 @@ def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: 
         yield from bookkeeping("select", select_s, r)
         batch, keys = drafter.select()
         sent = env.now
-        side.peer.send(BATCH_BYTES_PER_NODE * len(batch), (batch, keys, draft_s), rid, r)
+        side.peer.send(subtree_message_bytes(batch, vocab=vocab, sampled=sampled), (batch, keys, draft_s), rid, r)
         draft_s = 0.0
         for _ in range(ctl.next_round()):  # grow while the target verifies
             dt = yield from expand(r + 1)
@@ -199,8 +221,7 @@ def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: 
 @register("async")
 def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     env, cost, rec = ctx.env, ctx.cost, ctx.rec
-    topo = topology_for(ctx)
-    to_target, to_draft = topo.link("draft", "target"), topo.link("target", "draft")
+    to_target, to_draft = bridge_links(ctx)
     groups = ctx.state.setdefault("groups", {"draft": simpy.Resource(env, 1),
                                              "target": simpy.Resource(env, 1)})
     if "async_depth" not in ctx.state:
@@ -219,7 +240,8 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     start = env.now
     target_inbox, draft_inbox = simpy.Store(env), simpy.Store(env)
     target_side = Side(env, cost, groups["target"], Peer(env, to_draft, target_inbox, draft_inbox), rec)
-    draft_side = Side(env, cost, groups["draft"], Peer(env, to_target, draft_inbox, target_inbox), rec)
+    draft_side = Side(env, cost, groups["draft"], Peer(env, to_target, draft_inbox, target_inbox), rec,
+                      vocab=ctx.exp.pair.target.vocab, sampled=ctx.exp.sampling.temperature > 0)
     out: list[int] = []
     finished: dict[str, float] = {}
     target = env.process(target_worker(target_side, req, drafter.toks, start, out, finished))
