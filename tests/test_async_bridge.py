@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from testbed.links import TREE_NODE_BYTES, TREE_TIMES_BYTES, subtree_message_byt
 from testbed.placement import link_name
 from testbed.spec.tree import DraftTree
 from tests.conftest import compose_exp
+from tests.processes import live_workers
 from tests.test_cost_profile_tp import profile_with_tp
 
 VOCAB = 50
@@ -88,3 +90,16 @@ def test_a_two_core_profile_without_the_bridge_table_is_measured_again(tmp_path:
     prof["links"]["bridge"] = {"alpha_s": 0.001, "beta_s_per_byte": 1e-9}
     path.write_text(json.dumps(prof))
     assert profile_is_current(path, exp) == (True, "current")
+
+
+@pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2, reason="needs two cores (one worker per core)")
+def test_the_bridge_is_measured_between_the_two_pinned_groups_of_an_async_run() -> None:
+    from real.calibrate_bridge import BridgeGrid, measure_bridge
+
+    grid = BridgeGrid(bytes=[64, 300_000], repeats=2, busy_s=0.005)
+    lines: list[str] = []
+    table = measure_bridge(compose_exp("backend=real", "hardware=local"), grid, log=lines.append)
+    assert table["bytes"] == [64, 300_000] and len(table["seconds"]) == 2
+    assert all(0 < s < 1.0 for s in table["seconds"]) and table["alpha_s"] >= 0 and table["busy_s"] == 0.005
+    assert len(lines) == 1 and lines[0].startswith("bridge: 64B=")
+    assert live_workers() == []
