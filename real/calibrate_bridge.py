@@ -72,16 +72,11 @@ def bridge_worker(ctx: Any, grid_d: dict[str, Any]) -> dict[int, list[float]] | 
 
 
 def bridge_table(raw: dict[int, list[float]], grid: BridgeGrid) -> dict[str, Any]:
-    """Medians per size and their α–β fit (weights 1/t: small messages count as much as large)."""
-    import numpy as np
+    """Medians per size and their α–β fit (real/calibrate_links.alpha_beta_fit)."""
+    from real.calibrate_links import alpha_beta_fit
 
-    xs = np.array(grid.bytes, dtype=float)
-    ys = np.array([statistics.median(raw[b]) for b in grid.bytes])
-    beta, alpha = np.polyfit(xs, ys, 1, w=1.0 / ys) if len(xs) > 1 else (0.0, float(ys[0]))
     return {"transport": "real.links.DistTransport (gloo, loopback), draft computing after each send",
-            "bytes": [int(x) for x in xs], "seconds": [float(y) for y in ys],
-            "alpha_s": float(max(alpha, 0.0)), "beta_s_per_byte": float(max(beta, 0.0)),
-            "busy_s": grid.busy_s}
+            **alpha_beta_fit({b: statistics.median(raw[b]) for b in grid.bytes}), "busy_s": grid.busy_s}
 
 
 def measure_bridge(exp: ExperimentConfig, grid: BridgeGrid | None = None,

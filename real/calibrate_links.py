@@ -60,7 +60,6 @@ def _free_port() -> int:
 
 def measure_messages(sizes: list[int], repeats: int, timeout_s: float = 120.0) -> dict[str, Any]:
     """One-way message time between two processes over gloo/loopback and its α–β fit."""
-    import numpy as np
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -76,11 +75,17 @@ def measure_messages(sizes: list[int], repeats: int, timeout_s: float = 120.0) -
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
-    xs = np.array(sorted(res), dtype=float)
-    ys = np.array([res[s] for s in sorted(res)])
+    return {"transport": "torch.distributed gloo, 127.0.0.1", **alpha_beta_fit(res)}
+
+
+def alpha_beta_fit(seconds_by_size: dict[int, float]) -> dict[str, Any]:
+    """``bytes``, ``seconds`` (by size) and their α–β fit: one-way time = α + bytes·β."""
+    import numpy as np
+
+    xs = np.array(sorted(seconds_by_size), dtype=float)
+    ys = np.array([seconds_by_size[s] for s in sorted(seconds_by_size)])
     # relative weights: the small messages (latency-bound) matter as much as the large ones
     beta, alpha = np.polyfit(xs, ys, 1, w=1.0 / ys) if len(xs) > 1 else (0.0, float(ys[0]))
-    return {"transport": "torch.distributed gloo, 127.0.0.1", "bytes": [int(x) for x in xs],
-            "seconds": [float(y) for y in ys], "alpha_s": float(max(alpha, 0.0)),
-            "beta_s_per_byte": float(max(beta, 0.0)),
+    return {"bytes": [int(x) for x in xs], "seconds": [float(y) for y in ys],
+            "alpha_s": float(max(alpha, 0.0)), "beta_s_per_byte": float(max(beta, 0.0)),
             "bandwidth_gbps": float(1e-9 / beta) if beta > 0 else None}

@@ -158,11 +158,6 @@ def draft_window_bytes(k: int, *, vocab: int = 0, dist_dtype_bytes: int = 4) -> 
     return tokens_bytes(k) + dists_bytes(k, vocab, dist_dtype_bytes)
 
 
-def tree_batch_bytes(nodes: int, *, vocab: int = 0, dist_dtype_bytes: int = 4) -> int:
-    """A subtree of ``nodes`` nodes, with their draft distributions when ``vocab`` > 0."""
-    return nodes * TREE_NODE_BYTES + dists_bytes(nodes, vocab, dist_dtype_bytes)
-
-
 def activation_bytes(tokens: int, hidden: int, dtype_bytes: int) -> int:
     """Hidden states of ``tokens`` tokens between pipeline stages."""
     return tokens * hidden * dtype_bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from types import SimpleNamespace
 
 import pytest
 import simpy
@@ -15,8 +16,8 @@ from testbed.links import (
     LinkModel,
     activation_bytes,
     draft_window_bytes,
+    subtree_message_bytes,
     tokens_bytes,
-    tree_batch_bytes,
     wire_bytes,
 )
 
@@ -67,7 +68,9 @@ def test_deliver_serialises_fifo_and_draws_exponential_jitter() -> None:
 def test_message_sizes() -> None:
     assert tokens_bytes(5) == 20
     assert draft_window_bytes(4) == 16 and draft_window_bytes(4, vocab=10) == 16 + 160
-    assert tree_batch_bytes(8) == 96 and tree_batch_bytes(2, vocab=3, dist_dtype_bytes=2) == 24 + 12
+    batch = SimpleNamespace(tokens=[5, 6, 7], children=[[1, 2], [], []])  # a root and two children
+    assert subtree_message_bytes(batch, vocab=10, sampled=False) == 3 * 12 + 16
+    assert subtree_message_bytes(batch, vocab=10, sampled=True) == 3 * 12 + 16 + 40  # q at the root
     assert activation_bytes(3, 576, 4) == 3 * 576 * 4
     assert wire_bytes(100) == HEADER_BYTES + 100
 
