@@ -136,7 +136,8 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
             _idle_during_baseline(exp, requests, peer)
             served.extra = {**depth.summary_fields(), "t_target_ms": 1e3 * t_target,
                             "t_draft_ms": 1e3 * t_draft, "tree_width": s.tree_width,
-                            "tree_budget": s.tree_budget, "tree_kv_reuse": side.kv.reuse}
+                            "tree_budget": s.tree_budget, "tree_kv_reuse": side.kv.reuse,
+                            "draft_rows": side.rows.rows}
         served.extra.update({f"async_{k}_s": v for k, v in side.overhead.items()})
         served.extra.update({k: v for k, v in probe.fields().items() if k != "probe_points" or role == "target"})
     if not ctx.is_leader:

@@ -59,6 +59,8 @@ class RequestTrace:
     gamma: int  # the recorded run's schedule.gamma (its lookahead cap)
     # per round, the drafted tokens' features (testbed.spec.lookahead; empty: not recorded)
     features: list[list[list[float]]] | None = None
+    # a tree run's ranked draft rows (draft_rows.json, testbed.spec.tree_drafter.DraftRowSample)
+    draft_rows: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         # match[j]: 1 matched, 0 rejected, -1 unobserved; starts[j]: round index starting at j
@@ -219,6 +221,7 @@ def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
                               f"{run_dir / 'rounds.parquet'} is not a readable parquet file "
                               f"({str(e).splitlines()[0][:100]}); re-record it") from None
         gamma = int(summary.get("gamma", 0))
+        draft_rows = _draft_rows(run_dir, raw)
         feature_rows = rounds["draft_features"] if "draft_features" in rounds.columns else None
         if with_features and feature_rows is None:
             raise ConfigError("acceptance.trace_path", raw, f"a trace with per-token draft features for "
@@ -231,10 +234,23 @@ def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
                 flat = feature_rows.loc[g.index] if feature_rows is not None else []
                 feats = [[list(map(float, f[i:i + FEATURES])) for i in range(0, len(f), FEATURES)] for f in flat]
             if recs:
-                traces.append(RequestTrace(recs, gamma, feats))
+                traces.append(RequestTrace(recs, gamma, feats, draft_rows))
     if not traces:
         raise ConfigError("acceptance.trace_path", raw, f"a run with recorded rounds (its rounds.parquet is empty); {HOWTO}")
     return traces
+
+
+def _draft_rows(run_dir: Path, raw: str) -> list[list[float]] | None:
+    """The run's ranked draft rows (a tree run's draft_rows.json); None when not recorded."""
+    path = run_dir / "draft_rows.json"
+    if not path.exists():
+        return None
+    try:
+        rows = json.loads(path.read_text())["draft_rows"]
+        return [[float(v) for v in row] for row in rows] or None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError("acceptance.trace_path", raw, f"run directories with readable traces: {path} is "
+                          "not a draft_rows.json a real tree run writes; re-record the run or delete the file") from None
 
 
 class TraceSequence(SequenceOracle):

@@ -34,7 +34,13 @@ from sim.context import SimContext, SimRequest
 from sim.oracle import IidOracle, SyntheticSequence
 from testbed.spec.ngram import NgramTreeSource
 from testbed.spec.tree import DraftTree, TreeBatch
-from testbed.spec.tree_drafter import DraftSource, Expansion, TreeDrafter, TreeKvStats
+from testbed.spec.tree_drafter import (
+    DraftRowSample,
+    DraftSource,
+    Expansion,
+    TreeDrafter,
+    TreeKvStats,
+)
 from testbed.spec.tree_verify import verify_tree
 
 Keys = list[tuple[int, int]]
@@ -184,20 +190,39 @@ class TraceTreeTokens(IidTreeTokens):
     it ends on a bonus that is no draft candidate (a fresh root, as the real tree had none of
     its continuation) and the draft gives that root no children, so the target verifies the
     root alone, a one-token forward. (The rank model alone filled every batch to bs, and the
-    simulated target's forward averaged 63 ms where the real one took 47.)"""
+    simulated target's forward averaged 63 ms where the real one took 47.)
+
+    When the recorded run kept its draft's ranked rows (``rows``: draft_rows.json,
+    testbed.spec.tree_drafter.DraftRowSample), every node's children get the probabilities of a
+    row drawn from them, not the geometric α row: the tree has the recorded draft's shape. An
+    n-gram draft puts all its mass on one continuation at most nodes, so its trees are chains
+    and its rounds accept up to bs − 1 tokens; grown from α ≈ 0.4 the batches were two or three
+    levels deep, and the replay of validate's async n-gram runs at temperature 0 accepted 12-14 %
+    fewer tokens per round than the very rounds it replayed. A root is drawn among the rows with
+    mass (whether it has any is the recorded round's ``drafted``)."""
 
     def __init__(self, accepted: list[int], match_rate: float, width: int, rng: random.Random,
-                 drafted: list[int] | None = None) -> None:
+                 drafted: list[int] | None = None, rows: list[list[float]] | None = None) -> None:
         super().__init__(min(max(match_rate, 1e-3), 1.0 - 1e-3), width, rng)
         self.accepted, self.next_round = accepted, 0
         self.drafted = drafted if drafted and len(drafted) == len(accepted) else None
+        fitted = [(list(r[:width]) + [0.0] * width)[:width] for r in rows or []]
+        self.rows = [torch.tensor(r) for r in fitted]
+        self.root_rows = [t for t, r in zip(self.rows, fitted, strict=True) if r[0] > 0.0] or [self.row]
+
+    def _recorded_row(self, root: bool) -> torch.Tensor:
+        pool = self.root_rows if root else self.rows
+        return pool[self.rng.randrange(len(pool))]
 
     def barren(self, round_idx: int) -> bool:
         """Whether recorded round ``round_idx`` (wrapping around) drafted nothing."""
         return self.drafted is not None and self.drafted[round_idx % len(self.drafted)] == 0
 
     def draft_dists(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        rows = super().draft_dists(tree, nodes)
+        if self.rows:
+            rows = torch.stack([self._recorded_row(tree.depths[n] == 0) for n in nodes])
+        else:
+            rows = super().draft_dists(tree, nodes)
         if self.barren(self.next_round) and any(tree.depths[n] == 0 for n in nodes):
             # the root of the round to be verified next has no continuation: no children
             rows = rows.clone()
@@ -253,7 +278,7 @@ def tree_tokens(ctx: SimContext, req: SimRequest) -> TreeTokens:
         trace = oracle.traces[req.request_id % len(oracle.traces)]
         return TraceTreeTokens([n for _, n in trace.rounds], trace.match_rate, ctx.exp.schedule.tree_width,
                                random.Random(1_000_003 * oracle.seed + req.request_id),
-                               drafted=[d for d, _ in trace.rounds])
+                               drafted=[d for d, _ in trace.rounds], rows=trace.draft_rows)
     seq = oracle.sequence(req.request_id, req.prompt_len)
     if isinstance(seq, SyntheticSequence):
         d = ctx.exp.pair.draft
@@ -271,7 +296,8 @@ class TimedTreeDrafter:
         self.ctx, self.toks = ctx, toks
         # tree KV slots kept / dropped by re-roots, over the whole run
         kv = ctx.state.setdefault("tree_kv", TreeKvStats())
-        self.core = TreeDrafter(toks, width=s.tree_width, budget=s.tree_budget, kv=kv)
+        rows = ctx.state.setdefault("tree_rows", DraftRowSample())
+        self.core = TreeDrafter(toks, width=s.tree_width, budget=s.tree_budget, kv=kv, rows=rows)
         self.width, self.budget = self.core.width, self.core.budget
 
     @property

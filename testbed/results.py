@@ -24,6 +24,8 @@ from testbed.metrics import experiment_key, summarize, tree_shape
 from testbed.recorder import RunResult
 
 SUMMARY = "summary.json"
+# run fields too big for a summary row (results.parquet has one per run): their own files
+SIDE_FILES = {"draft_rows": "draft_rows.json"}  # testbed.spec.tree_drafter.DraftRowSample
 
 
 class RunDirError(ValueError):
@@ -61,7 +63,7 @@ def build_summary(exp: ExperimentConfig, result: RunResult) -> dict[str, Any]:
         base = requests
     summary = experiment_key(exp)
     summary.update(summarize(rounds, requests, exp.schedule.gamma, base))
-    summary.update(result.extra)
+    summary.update({k: v for k, v in result.extra.items() if k not in SIDE_FILES})
     summary["tree_shape"] = tree_shape(summary)
     return summary
 
@@ -80,7 +82,8 @@ def write_run(run_dir: Path, exp: ExperimentConfig, result: RunResult) -> dict[s
     if result.baseline is not None:
         b_rounds, b_requests, _ = result.baseline.frames()
         write_parquet(run_dir / "baseline_requests.parquet", b_requests)
-    for name, obj in result.artifacts.items():
+    side = {SIDE_FILES[k]: {k: v} for k, v in result.extra.items() if k in SIDE_FILES}
+    for name, obj in {**side, **result.artifacts}.items():
         if isinstance(obj, pd.DataFrame):
             write_parquet(run_dir / name, obj)
         else:

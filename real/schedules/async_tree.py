@@ -59,7 +59,13 @@ from real.tree_tokens import DraftTreeTokens, ForwardModel, TargetTreeTokens
 from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams
 from testbed.spec.tree import TreeBatch
-from testbed.spec.tree_drafter import AsyncDepth, DraftSource, TreeDrafter, TreeKvStats
+from testbed.spec.tree_drafter import (
+    AsyncDepth,
+    DraftRowSample,
+    DraftSource,
+    TreeDrafter,
+    TreeKvStats,
+)
 
 PROBE_REPEATS = 15  # per model for d (after one warm-up): 5 swung d by ±3 on this host
 PROBE_TURNS = 5  # ... timed in 5 alternating turns of 3 (probe_draft)
@@ -101,6 +107,7 @@ class Side:
     # seconds of bookkeeping per kind (select + pack, unpack, re-root/compaction)
     overhead: dict[str, float] = field(default_factory=dict)
     kv: TreeKvStats = field(default_factory=TreeKvStats)
+    rows: DraftRowSample = field(default_factory=DraftRowSample)  # the draft's ranked q rows
     # the draft's DraftSource for (committed tokens, generator); None: DraftTreeTokens over
     # ``fwd`` (a model draft). The n-gram draft has no model: ``model`` and ``fwd`` are None.
     draft_source: Callable[[list[int], torch.Generator], DraftSource] | None = None
@@ -314,7 +321,7 @@ def draft_worker(side: Side, req: RealRequest, depth: AsyncDepth | int, *, width
     prefill_end = now()
     rec.span("draft", "prefill", t0, prefill_end, rid)
     source = side.new_draft_source(ids, side.generator(rid, DRAFT_SALT))
-    drafter = TreeDrafter(source, width=width, budget=budget, kv=side.kv)
+    drafter = TreeDrafter(source, width=width, budget=budget, kv=side.kv, rows=side.rows)
     tree = drafter.tree
 
     def expand(r: int) -> float | None:

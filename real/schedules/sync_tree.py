@@ -15,7 +15,7 @@ from __future__ import annotations
 from real.context import RealContext, RealRequest, finish
 from real.schedules import register
 from real.tree_tokens import DraftTreeTokens, TargetTreeTokens, tree_models
-from testbed.spec.tree_drafter import TreeDrafter, TreeKvStats
+from testbed.spec.tree_drafter import DraftRowSample, TreeDrafter, TreeKvStats
 
 
 @register("sync_tree")
@@ -34,8 +34,9 @@ def serve_sync_tree(ctx: RealContext, req: RealRequest) -> None:
     rec.span("target", "prefill", t, m, rid)
     rec.span("draft", "prefill", m, t + prefill_s, rid)
     kv = ctx.state.setdefault("tree_kv", TreeKvStats())
+    rows = ctx.state.setdefault("tree_rows", DraftRowSample())
     drafter = TreeDrafter(DraftTreeTokens(draft_model, ctx.params, list(ids), gen),
-                          width=s.tree_width, budget=s.tree_budget, kv=kv)
+                          width=s.tree_width, budget=s.tree_budget, kv=kv, rows=rows)
     target = TargetTreeTokens(target_model, ctx.params, gen)
     start = ctx.now()
     out: list[int] = []

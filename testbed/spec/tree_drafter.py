@@ -35,7 +35,8 @@ API
 - ``advance(tokens) -> KVCompactionPlan``: ``source.commit(tokens)``, re-root, ``source.compact``;
   the plan's ``recompute`` count is charged to the next expansion.
 - ``summary_fields() -> dict``: ``tree_width``, ``tree_budget``, ``tree_kv_reuse`` (share of the
-  tree KV slots kept by re-roots, over every drafter sharing ``kv``).
+  tree KV slots kept by re-roots, over every drafter sharing ``kv``), ``draft_rows`` (the rows of
+  ``rows``, a ``DraftRowSample``: written to the run's draft_rows.json, not to summary.json).
 
 ``async_depth(tree_depth=, t_target=, t_draft=) -> int`` — how many expansions the draft of
 ``schedule=async`` runs while the target verifies (SwiftSpec §3.2); both backends call it, the
@@ -48,16 +49,22 @@ workers drive it, with modelled or measured times.
 
 ``TreeKvStats`` — ``kept`` / ``freed`` tree KV slots; pass one instance to every drafter of a run
 to get the run's reuse ratio.
+
+``DraftRowSample(capacity=256)`` — a uniform sample (reservoir) of the draft's ranked child
+probabilities at the nodes it expanded below the root, over every drafter sharing it: each row the
+w largest q of one node, in descending order. A replayed trace grows its trees from them
+(sim.tree_tokens.TraceTreeTokens): the shape of the recorded draft's trees, not one α's.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -198,16 +205,50 @@ class TreeKvStats:
         return self.kept / moved if moved else None
 
 
+@dataclass
+class DraftRowSample:
+    """The draft's ranked child probabilities at expanded non-root nodes, a uniform sample of at
+    most ``capacity`` rows over a run (reservoir sampling, seeded: the same run keeps the same
+    rows). Why: a tree's depth is set by how the draft's mass spreads over its candidates — an
+    n-gram draft puts all of it on one continuation at most nodes and grows chains, a model draft
+    spreads it — and a replay that grows its trees from one geometric α row builds batches too
+    shallow for the deep acceptances an n-gram run records. The root is left out: whether it has
+    a continuation is replayed round by round (a round that drafted nothing)."""
+
+    capacity: int = 256
+    seen: int = 0
+    rows: list[list[float]] = field(default_factory=list)
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def offer(self, tree: DraftTree, nodes: list[int], dists: torch.Tensor, width: int) -> None:
+        """Consider the rows ``dists`` of the expanded ``nodes`` (ranked only when kept: a top-k
+        over the vocabulary costs ~20 µs, and after the first ``capacity`` rows few are)."""
+        for j, node in enumerate(nodes):
+            if tree.depths[node] == 0:
+                continue
+            self.seen += 1
+            slot = len(self.rows) if len(self.rows) < self.capacity else self.rng.randrange(self.seen)
+            if slot >= self.capacity:
+                continue
+            k = min(width, dists.shape[-1])
+            row = [round(float(v), 6) for v in torch.topk(dists[j].float(), k).values.tolist()]
+            if slot == len(self.rows):
+                self.rows.append(row)
+            else:
+                self.rows[slot] = row
+
+
 class TreeDrafter:
     """One request's DraftTree grown by maximum likelihood from a DraftSource."""
 
     def __init__(self, source: DraftSource, *, width: int, budget: int,
-                 kv: TreeKvStats | None = None) -> None:
+                 kv: TreeKvStats | None = None, rows: DraftRowSample | None = None) -> None:
         self.source = source
         self.width, self.budget = width, budget
         self.tree = source.new_tree()
         self.recompute = 0  # verified tokens whose draft KV was never computed (fed next forward)
         self.kv = kv if kv is not None else TreeKvStats()
+        self.rows = rows if rows is not None else DraftRowSample()
 
     def expand(self) -> Expansion | None:
         """Expand the w most probable leaves, w children each (None: nothing to expand)."""
@@ -217,8 +258,9 @@ class TreeDrafter:
             return None
         step = Expansion(leaves, self.recompute, tree.prefix_len + tree.n_slots)
         self.recompute = 0
-        tree.expand(leaves, self.source.draft_dists(tree, leaves), num_children=self.width,
-                    generator=self.source.generator)
+        dists = self.source.draft_dists(tree, leaves)
+        self.rows.offer(tree, leaves, dists, self.width)
+        tree.expand(leaves, dists, num_children=self.width, generator=self.source.generator)
         return step
 
     def fill(self) -> list[Expansion]:
@@ -247,4 +289,4 @@ class TreeDrafter:
 
     def summary_fields(self) -> dict[str, float | None]:
         return {"tree_width": self.width, "tree_budget": self.budget,
-                "tree_kv_reuse": self.kv.reuse}
+                "tree_kv_reuse": self.kv.reuse, "draft_rows": self.rows.rows}
