@@ -21,7 +21,8 @@ of a simulated request accepts as many tree nodes as round i of its recorded req
 (sim.tree_tokens.TraceTreeTokens walks the most probable path of the batch that far), and a
 round that drafted nothing (an n-gram draft without a continuation) verifies the root alone.
 With the recorded tree shape (w, bs, d) this reproduces every round; with another shape the
-accepted count is capped by the batch's depth.
+accepted count is capped by the batch's depth. The replayed trees grow from the recorded draft's
+ranked rows where the run kept them (its draft_rows.json, testbed.spec.tree_drafter.DraftRowSample).
 
 ``acceptance.trace_path`` is a real run directory, its rounds.parquet, or a directory of runs
 (e.g. a validation sweep): then runs are filtered by the experiment key (schedule sync, or
