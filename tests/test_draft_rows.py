@@ -8,6 +8,7 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from sim.engine import run as sim_run
@@ -124,3 +125,12 @@ def test_a_replay_grown_from_the_recorded_rows_reproduces_deep_rounds(tmp_path: 
     _write_async_ngram_run(tmp_path / "without", recorded, None)
     got = _replay(tmp_path / "without")
     assert sum(map(sum, got)) < sum(map(sum, want))
+
+
+def test_a_corrupt_rows_file_names_itself_and_the_fix(tmp_path: Path) -> None:
+    from testbed.config import ConfigError
+
+    _write_async_ngram_run(tmp_path, _recorded(1), [[1.0, 0.0]])
+    (tmp_path / "draft_rows.json").write_text('{"draft_rows": [[1.0, "x"')
+    with pytest.raises(ConfigError, match=r"draft_rows.json is not a draft_rows.json.*re-record the run or delete the file"):
+        _replay(tmp_path)
