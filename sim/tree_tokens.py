@@ -206,20 +206,24 @@ class TraceTreeTokens(IidTreeTokens):
         super().__init__(min(max(match_rate, 1e-3), 1.0 - 1e-3), width, rng)
         self.accepted, self.next_round = accepted, 0
         self.drafted = drafted if drafted and len(drafted) == len(accepted) else None
+        # one tensor per request (a prediction interval replays every request ~200 times)
         fitted = [(list(r[:width]) + [0.0] * width)[:width] for r in rows or []]
-        self.rows = [torch.tensor(r) for r in fitted]
-        self.root_rows = [t for t, r in zip(self.rows, fitted, strict=True) if r[0] > 0.0] or [self.row]
+        self.rows = torch.tensor(fitted) if fitted else None
+        self.with_mass = [i for i, r in enumerate(fitted) if r[0] > 0.0]
 
     def _recorded_row(self, root: bool) -> torch.Tensor:
-        pool = self.root_rows if root else self.rows
-        return pool[self.rng.randrange(len(pool))]
+        assert self.rows is not None
+        if root and not self.with_mass:
+            return self.row
+        pick = self.rng.choice(self.with_mass) if root else self.rng.randrange(len(self.rows))
+        return self.rows[pick]
 
     def barren(self, round_idx: int) -> bool:
         """Whether recorded round ``round_idx`` (wrapping around) drafted nothing."""
         return self.drafted is not None and self.drafted[round_idx % len(self.drafted)] == 0
 
     def draft_dists(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        if self.rows:
+        if self.rows is not None:
             rows = torch.stack([self._recorded_row(tree.depths[n] == 0) for n in nodes])
         else:
             rows = super().draft_dists(tree, nodes)
