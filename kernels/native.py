@@ -1,28 +1,35 @@
-"""Native weight-streaming GEMV kernels (kernels/gemv.cpp), compiled on first use, called via ctypes.
+"""Native CPU kernels (kernels/native.cpp), compiled on first use, called via ctypes.
 
-Why: batch-1 decode reads every weight once per token, so its speed is the rate at which the
-GEMMs stream weights. On an AVX-512 AMD EPYC (one thread) oneDNN's matmul streams fp32 weights
-at ~25 GB/s and MKL's at ~16 GB/s, against ~39 GB/s of read-only bandwidth; the kernel in
-gemv.cpp (one row at a time, read front to back, every weight loaded once and used for all
-T <= 8 tokens) gets much closer (benchmarks/bench_decode.py --ablate). It also fuses the
-residual add and SwiGLU, removing two passes and two Python-level ops per layer.
+Why: a decode step or a speculative verification multiplies 1-16 token rows by every weight
+matrix, so its time is the weights' bytes over the memory bandwidth until the FLOPs catch up
+with the core's FMA peak: the premise of speculative decoding (verifying k tokens costs about one
+token) holds only if a k-token forward runs at that roofline. oneDNN and MKL stream weights at
+~50-80% of the read bandwidth at one token and scale ~linearly in k beyond a few tokens (their
+small-M GEMMs re-read the weights or leave the FMA units idle); torch's bf16 matmul has no fast
+path at all on CPUs without AVX512-BF16. native.cpp packs each weight matrix once into panels
+and runs a register-tiled outer-product GEMM in which every weight byte is read once per forward
+for any number of tokens (benchmarks/bench_verify.py measures it against the host's roofline and
+against torch eager and torch.compile). ``decode_layers`` runs a whole run of decoder layers in
+one call, which removes ~20 PyTorch dispatches per layer.
 
-Which code runs is fixed at build time by ``-march=native`` (see the top of gemv.cpp):
-hand-written AVX-512 paths (with AVX512-BF16 for bf16 where present) on CPUs that have
-AVX-512F, AVX2+FMA paths of the same design on CPUs without it (an AVX2-only AMD EPYC Zen 3:
-decode at ~85-90% of one core's read-only bandwidth; over the portable path bf16 decode is
-~1.15-1.4x and 4-8 token verifications ~2-2.7x faster; oneDNN has no bf16 inner product
-there), and a portable ``omp simd`` path elsewhere.
+Which code runs is fixed at build time by ``-march=native`` (see the top of native.cpp):
+AVX-512F (with AVX512-BF16's vdpbf16ps for bf16 where present), AVX2+FMA, or a portable
+vector-extension path.
+
+Packed weights: ``packed(weight)`` keeps one packed copy per weight tensor (weakly keyed, checked
+against the tensor's storage pointer and version counter, so in-place updates repack), i.e. the
+weights the native path uses take their size once more in memory.
 
 Build: ``$CXX`` (else g++/c++) ``-O3 -march=native -fopenmp``, cached under
 ``$XDG_CACHE_HOME/specbed`` (default ``~/.cache/specbed``) by a hash of the source, flags,
-compiler and CPU, so it is compiled once per machine (~2 s). No compiler, a failed build or
+compiler and CPU, so it is compiled once per machine (~3 s). No compiler, a failed build or
 ``SPECBED_NATIVE=0``: ``AVAILABLE`` is False and the registry keeps the oneDNN/PyTorch ops.
 The library links libgomp by soname, which PyTorch has already loaded, so both share one
 OpenMP runtime and the caller passes ``torch.get_num_threads()``.
 
-Only CPU, contiguous fp32 or bf16 tensors (weights and activations of one dtype) and at most 8
-tokens per call use the kernels; everything else (prefill, other dtypes/devices) falls back.
+Only CPU, contiguous fp32 or bf16 tensors (weights and activations of one dtype) use the
+kernels; the fused layers take up to ``MAX_TOKENS`` tokens (longer prefills run op by op, their
+GEMMs still native).
 """
 
 from __future__ import annotations
@@ -43,9 +50,8 @@ from torch import Tensor
 
 from kernels import cpu
 
-SOURCE = Path(__file__).with_name("gemv.cpp")
+SOURCE = Path(__file__).with_name("native.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-MAX_TOKENS = 8  # rows of x per call (kMaxT in gemv.cpp)
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -64,7 +70,7 @@ def _cache_dir() -> Path:
 
 
 def build(source: Path = SOURCE) -> Path | None:
-    """Compile ``source`` (default gemv.cpp) into a shared library (or reuse the cached one);
+    """Compile ``source`` (default native.cpp) into a shared library (or reuse the cached one);
     None if no compiler or it fails."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None or not source.is_file():
@@ -94,12 +100,12 @@ def build(source: Path = SOURCE) -> Path | None:
     return lib
 
 
-class _LayerPtrs(ctypes.Structure):  # gemv.cpp: LayerPtrs
+class _LayerPtrs(ctypes.Structure):  # native.cpp: LayerPtrs
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("attn_norm", "wqkv", "wo", "ffn_norm", "w13", "w2", "k_cache", "v_cache")]
 
 
-class _LayerDims(ctypes.Structure):  # gemv.cpp: LayerDims
+class _LayerDims(ctypes.Structure):  # native.cpp: LayerDims
     _fields_ = [*((name, ctypes.c_long) for name in
                   ("dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq")),
                 ("dtype", ctypes.c_int), ("cache_dtype", ctypes.c_int), ("eps", ctypes.c_float)]
@@ -116,27 +122,65 @@ def _load() -> ctypes.CDLL | None:
     except OSError:
         return None
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.sb_linear.argtypes = [i32, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
-    lib.sb_linear.restype = i32
-    lib.sb_swiglu.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, i32]
-    lib.sb_swiglu.restype = i32
-    lib.sb_layers.argtypes = [ctypes.POINTER(_LayerDims), ctypes.POINTER(_LayerPtrs), i32, ptr, ptr,
-                              ptr, ptr, ptr, i64, i64, i32, ptr, ptr]
-    lib.sb_layers.restype = i32
-    lib.sb_token_features.argtypes = [ptr, i64, i64, i32, ptr]
-    lib.sb_token_features.restype = i32
+    signatures = {
+        "sb_packed_elems": ([i32, i32, i64, i64], i64),
+        "sb_pack": ([i32, i32, ptr, i64, i64, ptr], i32),
+        "sb_linear": ([i32, ptr, ptr, ptr, ptr, i64, i64, i64, i32], i32),
+        "sb_swiglu": ([i32, ptr, ptr, ptr, i64, i64, i64, i32], i32),
+        "sb_layers": ([ctypes.POINTER(_LayerDims), ctypes.POINTER(_LayerPtrs), i32, ptr, ptr,
+                       ptr, ptr, ptr, i64, i64, i32, ptr, ptr], i32),
+        "sb_token_features": ([ptr, i64, i64, i32, ptr], i32),
+        "sb_max_tokens": ([], i64),
+        "sb_fma_peak": ([ctypes.c_double], ctypes.c_double),
+        "sb_has_avx512": ([], i32),
+    }
+    for name, (args, res) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
     return lib
 
 
 _LIB = _load()
+MAX_TOKENS = int(_LIB.sb_max_tokens()) if _LIB is not None else 0  # rows per fused-layers call
 
 
 def _usable(x: Tensor, weight: Tensor) -> bool:
     # no autograd through ctypes: anything that needs gradients takes the PyTorch ops
     return (x.device.type == "cpu" and x.dtype in _CODES and weight.dtype == x.dtype
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and weight.is_contiguous() and weight.dim() == 2
-            and x.numel() // x.shape[-1] <= MAX_TOKENS and x.shape[-1] == weight.shape[1])
+            and weight.dim() == 2 and weight.device.type == "cpu" and x.shape[-1] == weight.shape[1]
+            and x.numel() > 0)
+
+
+# Packed copies: id(weight) -> (weakref to weight, (storage pointer, version), paired, packed).
+# The version counter catches in-place updates (``copy_``, an optimizer step); tensors made in
+# inference mode have none, and are only checked by pointer.
+_PACKED: dict[int, tuple[weakref.ref, tuple[int, int], bool, Tensor]] = {}
+
+
+def _version(t: Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: no version counter
+        return -1
+
+
+def packed(weight: Tensor, paired: bool = False) -> Tensor:
+    """``weight [N, K]`` in native.cpp's panel layout (``paired``: SwiGLU's [gate; up] rows),
+    packed once and kept while the weight lives and is unchanged."""
+    key = id(weight)
+    stamp = (weight.data_ptr(), _version(weight))
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is weight and hit[1] == stamp and hit[2] == paired:
+        return hit[3]
+    n, k = weight.shape
+    code = _CODES[weight.dtype]
+    out = torch.empty(int(_LIB.sb_packed_elems(code, int(paired), n, k)), dtype=weight.dtype)
+    src = weight.detach().contiguous()
+    if _LIB.sb_pack(code, int(paired), src.data_ptr(), n, k, out.data_ptr()):
+        raise ValueError(f"cannot pack a [{n}, {k}] weight{' as SwiGLU pairs' if paired else ''}")
+    _PACKED[key] = (weakref.ref(weight, lambda _ref, key=key: _PACKED.pop(key, None)), stamp, paired, out)
+    return out
 
 
 def token_features(logits: Tensor, token: int, k: int) -> list[float] | None:
@@ -152,7 +196,7 @@ def token_features(logits: Tensor, token: int, k: int) -> list[float] | None:
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight.T; the native kernel for <= 8 tokens, else ``kernels.cpu.linear``."""
+    """x @ weight.T; the native kernel where it applies, else ``kernels.cpu.linear``."""
     return linear_add(x, weight, None)
 
 
@@ -170,27 +214,28 @@ def linear_add(x: Tensor, weight: Tensor, residual: Tensor | None) -> Tensor:
         if res.shape != y.shape:
             res = res.expand(y.shape).contiguous()
         res = res.data_ptr()
-    _LIB.sb_linear(_CODES[x.dtype], x.data_ptr(), weight.data_ptr(), res, y.data_ptr(),
+    _LIB.sb_linear(_CODES[x.dtype], x.data_ptr(), packed(weight).data_ptr(), res, y.data_ptr(),
                    x.numel() // k, n, k, torch.get_num_threads())
     return y
 
 
 def swiglu_fused(x: Tensor, w_gate_up: Tensor) -> Tensor:
     """silu(x @ gate.T) * (x @ up.T) with ``w_gate_up = [gate; up]`` in one pass over the weights."""
-    if _LIB is None or not _usable(x, w_gate_up):
+    if _LIB is None or not _usable(x, w_gate_up) or w_gate_up.shape[0] % 2:
         return cpu.swiglu_fused(x, w_gate_up)
     x = x.contiguous()
     two_f, k = w_gate_up.shape
     y = torch.empty(*x.shape[:-1], two_f // 2, dtype=x.dtype)
-    _LIB.sb_swiglu(_CODES[x.dtype], x.data_ptr(), w_gate_up.data_ptr(), y.data_ptr(),
+    _LIB.sb_swiglu(_CODES[x.dtype], x.data_ptr(), packed(w_gate_up, paired=True).data_ptr(), y.data_ptr(),
                    x.numel() // k, two_f // 2, k, torch.get_num_threads())
     return y
 
 
-# Packed layer pointers: model -> {(lo, hi): (cache_epoch, tensors, their pointers, packed
+# Packed layer pointers: model -> {(lo, hi): (cache_epoch, tensors, their stamps, packed
 # pointers, dims)}, weak so that a dropped model frees its weights. Gathering the tensors walks
-# ~240 module attributes (~250 us); checking them is one data_ptr() each (~15 us), which also
-# catches weights or caches moved in place (``model.to(...)``, ``param.data = ...``);
+# ~240 module attributes (~250 us); checking them is one data_ptr() each plus the weights'
+# version counters (~30 us), which catches weights or caches moved (``model.to(...)``,
+# ``param.data = ...``) and weights updated in place (their packed copies are then stale);
 # ``Transformer.setup_cache`` bumps ``cache_epoch`` when it installs new cache modules.
 _PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _data_ptr = Tensor.data_ptr
@@ -207,11 +252,17 @@ def _gather(model, lo: int, hi: int) -> list[Tensor] | None:  # model: real.mode
     return tensors
 
 
+def _stamps(tensors: list[Tensor]) -> tuple:
+    # caches are written in place every step: their pointers only
+    return (tuple(map(_data_ptr, tensors)),
+            tuple(_version(t) for i, t in enumerate(tensors) if i % 8 < 6))
+
+
 def _pack(model, lo: int, hi: int) -> tuple[object, _LayerDims] | None:
     packs = _PACKS.setdefault(model, {})
     epoch = getattr(model, "cache_epoch", -1)
     hit = packs.get((lo, hi))
-    if hit is not None and hit[0] == epoch and tuple(map(_data_ptr, hit[1])) == hit[2]:
+    if hit is not None and hit[0] == epoch and _stamps(hit[1]) == hit[2]:
         return hit[3], hit[4]
     tensors = _gather(model, lo, hi)
     if tensors is None:
@@ -226,18 +277,21 @@ def _pack(model, lo: int, hi: int) -> tuple[object, _LayerDims] | None:
             or any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" for t in weights)
             or any(c.dtype != cache_dtype or not c.is_contiguous() or c.device.type != "cpu" for c in caches)):
         return None
-    ptrs = tuple(map(_data_ptr, tensors))
-    packed = (_LayerPtrs * n)(*(_LayerPtrs(*ptrs[8 * i:8 * i + 8]) for i in range(n)))
+    ptrs = []
+    for i, t in enumerate(tensors):  # the GEMM weights in panels, the rest as they are
+        role = i % 8
+        ptrs.append(packed(t, paired=role == 4).data_ptr() if role in (1, 2, 4, 5) else t.data_ptr())
+    layer_ptrs = (_LayerPtrs * n)(*(_LayerPtrs(*ptrs[8 * i:8 * i + 8]) for i in range(n)))
     dims = _LayerDims(a.dim, att.n_heads, att.n_kv_heads, a.head_dim, ffn_dim,
                       caches[0].shape[2], _CODES[dtype], _CODES[cache_dtype], a.norm_eps)
-    packs[(lo, hi)] = (epoch, tensors, ptrs, packed, dims)
-    return packed, dims
+    packs[(lo, hi)] = (epoch, tensors, _stamps(tensors), layer_ptrs, dims)
+    return layer_ptrs, dims
 
 
 def decode_layers(model, lo: int, hi: int, h: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
                   mask: Tensor | None, kv_len: int) -> Tensor | None:
-    """Layers ``[lo, hi)`` of ``model`` (a real.model.Transformer) on ``h [1, T<=8, dim]`` in one
-    native call, or None when this case is not covered (the model then runs op by op).
+    """Layers ``[lo, hi)`` of ``model`` (a real.model.Transformer) on ``h [1, T, dim]`` (T <= ``MAX_TOKENS``)
+    in one native call, or None when this case is not covered (the model then runs op by op).
     Arguments as in ``Transformer.forward_layers`` after it resolved positions and the mask."""
     if _LIB is None or hi <= lo or h.device.type != "cpu" or h.dim() != 3 or h.shape[0] != 1:
         return None
@@ -278,19 +332,23 @@ def decode_layers(model, lo: int, hi: int, h: Tensor, cos: Tensor, sin: Tensor, 
 
 
 def _probe() -> bool:
-    # Trust the library only if it agrees with F.linear here (fp32 and bf16, 1 and 3 tokens).
+    # Trust the library only if it agrees with F.linear here: fp32 and bf16, every token count up
+    # to 16 (every register-tile height of every ISA's micro-kernel), odd sizes, the SwiGLU pairs.
     if _LIB is None:
         return False
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(37, 70, generator=gen)
-    for t in (1, 3):
-        x, r = torch.randn(1, t, 70, generator=gen), torch.randn(1, t, 37, generator=gen)
+    w = torch.randn(38, 70, generator=gen)
+    for t in range(1, 17):
+        x, r = torch.randn(1, t, 70, generator=gen), torch.randn(1, t, 38, generator=gen)
         ok = torch.allclose(linear_add(x, w, r), x @ w.T + r, atol=1e-4, rtol=1e-4)
-        ok = ok and torch.allclose(linear(x.bfloat16(), w.bfloat16()).float(),
-                                   x.bfloat16().float() @ w.bfloat16().float().T, atol=0.1, rtol=0.02)
+        xb, wb = x.bfloat16(), w.bfloat16()
+        ok = ok and torch.allclose(linear(xb, wb).float(), xb.float() @ wb.float().T, atol=0.1, rtol=0.02)
+        gate, up = (x @ w.T).chunk(2, dim=-1)
+        ok = ok and torch.allclose(swiglu_fused(x, w), torch.nn.functional.silu(gate) * up, atol=1e-4, rtol=1e-4)
         if not ok:
-            warnings.warn("kernels.native: results disagree with F.linear; not used", stacklevel=2)
+            warnings.warn(f"kernels.native: results disagree with F.linear ({t} tokens); not used", stacklevel=2)
             return False
+    _PACKED.clear()
     return True
 
 

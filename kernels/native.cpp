@@ -1,0 +1,931 @@
+// Weight-streaming GEMM kernels for speculative decoding on CPU (built by kernels/native.py).
+//
+// A decode step or a verification multiplies T = 1..16 token rows by every weight matrix: the
+// time is the weights' bytes over the memory bandwidth until the FLOPs (2 per weight per token)
+// catch up with the core's FMA peak. Two things keep a T-token forward at that roofline:
+//   - every weight byte is read from memory once per forward, whatever T (the panel below stays
+//     in L1 while every token block uses it), and the read is one sequential stream;
+//   - for T large enough to be compute bound, the FMA units are kept busy: an MR x NR register
+//     tile (MR tokens x NR output features) where each weight vector loaded is used MR times and
+//     each broadcast activation 2 times, with no horizontal sums (BLIS's outer-product
+//     micro-kernel, with the weights as its packed B operand).
+//
+// Packed weights (sb_pack; kernels/native.py keeps one packed copy per weight tensor): W [N, K]
+// (PyTorch's [out, in]) in panels of NR = 2 vectors of output features, each panel [K][NR],
+// zero-padded to a whole panel. bf16 panels are stored so that one load widens into the panel's
+// two fp32 vectors without shuffles: 32-bit lane i holds features i (low half) and VL + i (high
+// half), i.e. `x << 16` and `x & 0xffff0000`. With AVX512-BF16 a panel is [K/2][NR][2] (K pairs
+// adjacent) for vdpbf16ps, which multiplies 32 bf16 pairs per instruction.
+// A "paired" panel (SwiGLU's [gate; up] rows) holds gate features j..j+VL in its first vector and
+// the matching up features in its second, so silu(g) * u is formed from one tile.
+//
+// The loop: for each panel (threads split the panels of large matrices), for each K chunk of
+// kChunk steps, for each block of <= MR tokens: the tile's accumulators are loaded (or zeroed),
+// the chunk multiplied, the tile stored. Chunking makes the token blocks take turns on a piece of
+// panel that sits in L1, so the memory stream runs throughout the forward instead of during the
+// first block only. Activations are packed per block as [K][MR] fp32 (bf16 ones widened exactly;
+// AVX512-BF16: [K/2][MR] bf16 pairs), a few KB.
+//
+// ISAs (compile time, -march=native): AVX-512F (16 lanes, MR <= 12), AVX-512 BF16 for bf16
+// weights, AVX2 + FMA (8 lanes, MR <= 6), or a portable vector-extension path (8 lanes, MR <= 6).
+// Accumulation is fp32; bf16 products are exact; outputs are rounded to nearest-even.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <omp.h>
+#include <vector>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
+#define SB_AVX512 1
+#if defined(__AVX512BF16__)
+#define SB_BF16DOT 1
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SB_AVX2 1
+#endif
+
+namespace {
+
+// ------------------------------------------------------------------------------ vectors
+#if defined(SB_AVX512)
+using vf = __m512;
+constexpr int VL = 16;
+constexpr int kMaxMR = 12;  // 24 accumulators + 2 weights + 1 broadcast of 32 registers
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vbcast(const float* p) { return _mm512_set1_ps(*p); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vwiden(const uint16_t* p, vf& lo, vf& hi) {
+    const __m512i raw = _mm512_loadu_si512(p);
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    hi = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#elif defined(SB_AVX2)
+using vf = __m256;
+constexpr int VL = 8;
+constexpr int kMaxMR = 6;  // 12 accumulators + 2 weights + 1 broadcast of 16 registers
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vbcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vwiden(const uint16_t* p, vf& lo, vf& hi) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    hi = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#else
+typedef float vf __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(32)));
+constexpr int VL = 8;
+constexpr int kMaxMR = 6;
+inline vf vzero() { return vf{}; }
+inline vf vload(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf vbcast(const float* p) { return vf{} + *p; }
+inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+inline void vwiden(const uint16_t* p, vf& lo, vf& hi) {
+    vu raw;
+    std::memcpy(&raw, p, sizeof raw);
+    const vu l = raw << 16, h = raw & 0xffff0000u;
+    std::memcpy(&lo, &l, sizeof lo);
+    std::memcpy(&hi, &h, sizeof hi);
+}
+#endif
+#if !defined(SB_AVX512) && !defined(SB_AVX2)
+inline void _mm_prefetch(const char*, int) {}
+#define _MM_HINT_T0 0
+#define _MM_HINT_T1 0
+#endif
+constexpr int NR = 2 * VL;      // output features per panel
+#ifndef SB_CHUNK
+#define SB_CHUNK 128
+#endif
+#ifndef SB_PREFETCH
+#define SB_PREFETCH 2048
+#endif
+constexpr long kChunk = SB_CHUNK;        // K steps per chunk (a chunk of a panel: 8 KB fp32 on AVX2)
+constexpr long kPrefetch = SB_PREFETCH;  // bytes of panel prefetched ahead of the loads
+#ifndef SB_PREFETCH_FAR
+#define SB_PREFETCH_FAR 0
+#endif
+constexpr long kPrefetchFar = SB_PREFETCH_FAR;  // and into L2 this far ahead (0: not)
+constexpr long kMaxTokens = 64; // rows per sb_layers call (attention scratch grows with T^2)
+
+// Scratch buffers: 64-byte aligned and kept across calls, per thread and use (the x loads of a
+// tile must not split cache lines by heap accident). Every user writes the range it reads.
+enum ScratchUse { kXin, kQkv, kAtt, kAct, kProbs, kPart, kPack, kScratchUses };
+constexpr uintptr_t kLine = 64;
+
+template <typename V>
+V* scratch(ScratchUse use, long n) {
+    thread_local std::vector<char> bufs[kScratchUses];
+    std::vector<char>& b = bufs[use];
+    const size_t bytes = static_cast<size_t>(n) * sizeof(V) + kLine;
+    if (b.size() < bytes) b.resize(bytes);
+    const uintptr_t p = reinterpret_cast<uintptr_t>(b.data());
+    return reinterpret_cast<V*>((p + kLine - 1) & ~(kLine - 1));
+}
+
+inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even (NaN kept quiet)
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename A>
+inline float load_act(const A* p, long i) {
+    if constexpr (sizeof(A) == 2) return bf16_to_f32(p[i]); else return p[i];
+}
+template <typename A>
+inline void store_act(A* p, long i, float v) {
+    if constexpr (sizeof(A) == 2) p[i] = f32_to_bf16(v); else p[i] = v;
+}
+
+// ------------------------------------------------------------------------------ packing
+// Elements (of the weight dtype) of a packed [N, K] matrix.
+inline long packed_k(int dtype, long K) {
+#if defined(SB_BF16DOT)
+    return dtype == 1 ? (K + 1) / 2 * 2 : K;
+#else
+    (void)dtype;
+    return K;
+#endif
+}
+inline long packed_elems(int dtype, long N, long K) { return (N + NR - 1) / NR * NR * packed_k(dtype, K); }
+
+// Source row of panel feature f (0..NR) in panel p: plain, or SwiGLU-paired over F = N / 2.
+inline long source_row(bool paired, long N, long p, long f) {
+    if (!paired) return p * NR + f;
+    const long j = p * VL + f % VL;
+    return j >= N / 2 ? -1 : (f < VL ? j : N / 2 + j);
+}
+
+template <typename W>
+void pack(const W* w, bool paired, long N, long K, W* out) {
+    const long np = paired ? (N / 2 + VL - 1) / VL : (N + NR - 1) / NR;
+    const long kp = packed_k(sizeof(W) == 2, K);
+    for (long p = 0; p < np; ++p) {
+        W* dst = out + p * NR * kp;
+        for (long f = 0; f < NR; ++f) {
+            long r = source_row(paired, N, p, f);
+            if (r >= N) r = -1;
+            const W* src = r < 0 ? nullptr : w + r * K;
+            for (long k = 0; k < kp; ++k) {
+                const W v = (src && k < K) ? src[k] : W(0);
+                long at;
+                if constexpr (sizeof(W) == 4) {
+                    at = k * NR + f;
+                } else {
+#if defined(SB_BF16DOT)
+                    at = (k / 2) * 2 * NR + f * 2 + k % 2;  // [K/2][NR][2]
+#else
+                    at = k * NR + (f < VL ? 2 * f : 2 * (f - VL) + 1);  // lane i: (f=i, f=VL+i)
+#endif
+                }
+                dst[at] = v;
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------ exp
+// exp over n floats in place: 2^(x log2 e) by range reduction (n = round(x log2 e), r = x - n ln 2
+// in two steps), a degree-6 Taylor polynomial on |r| <= ln2/2 (relative error < 2e-7) and 2^n;
+// inputs clamped to [-104, 88.7] (-inf gives 0, large ones stay finite).
+inline void exp_inplace(float* x, long n) {
+    long i = 0;
+#if defined(SB_AVX512)
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2_hi = _mm512_set1_ps(0.693359375f),
+                 ln2_lo = _mm512_set1_ps(-2.12194440e-4f), lo = _mm512_set1_ps(-104.f),
+                 hi = _mm512_set1_ps(88.7f);
+    const float c[7] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720};
+    for (; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+        __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_maskz_loadu_ps(m, x + i), lo), hi);
+        const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_fnmadd_ps(k, ln2_hi, v);
+        r = _mm512_fnmadd_ps(k, ln2_lo, r);
+        __m512 p = _mm512_set1_ps(c[6]);
+        for (int j = 5; j >= 0; --j) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[j]));
+        _mm512_mask_storeu_ps(x + i, m, _mm512_scalef_ps(p, k));
+    }
+#elif defined(SB_AVX2)
+    // no scalef: 2^k (k in [-150, 128]) as two factors 2^(k/2) 2^(k - k/2), each a normal float
+    // built in the exponent bits, so that results below FLT_MIN round to subnormals (or 0) once.
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), ln2_hi = _mm256_set1_ps(0.693359375f),
+                 ln2_lo = _mm256_set1_ps(-2.12194440e-4f), lo = _mm256_set1_ps(-104.f),
+                 hi = _mm256_set1_ps(88.7f);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const float c[7] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720};
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_loadu_ps(x + i), lo), hi);  // NaN, -inf -> -104
+        const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256 r = _mm256_fnmadd_ps(k, ln2_hi, v);
+        r = _mm256_fnmadd_ps(k, ln2_lo, r);
+        __m256 p = _mm256_set1_ps(c[6]);
+        for (int j = 5; j >= 0; --j) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c[j]));
+        const __m256i ki = _mm256_cvtps_epi32(k), k1 = _mm256_srai_epi32(ki, 1), k2 = _mm256_sub_epi32(ki, k1);
+        const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
+        const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23));
+        _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_mul_ps(p, s1), s2));
+    }
+#endif
+    for (; i < n; ++i) x[i] = std::exp(std::min(std::max(x[i], -104.f), 88.7f));
+}
+
+// ------------------------------------------------------------------------------ micro-kernel
+// Accumulator sets (alternate k steps, summed at the end): 2 x MR x S independent FMA chains
+// keep the FMA units fed where one tile row has too few (latency 4 x 2 FMAs per cycle = 8).
+template <int MR>
+constexpr int sets() {
+    return 2 * MR * 2 <= kMaxMR * 2 ? (MR == 1 ? 4 : 2) : 1;
+}
+
+// acc (MR x NR tile, fp32, row stride NR) += x block (packed, MR tokens) times steps [k0, k1) of
+// one panel. MR <= 2 keeps two sets of accumulators (alternate k): enough independent FMA chains
+// for the memory stream of a decode step. kp: the panel's K (row count).
+template <int MR>
+inline void tile_f32(const float* panel, const float* xp, long k0, long k1, float* acc, bool first) {
+    constexpr int S = sets<MR>();
+    vf c[S][MR][2];
+    for (int s = 0; s < S; ++s)
+        for (int m = 0; m < MR; ++m) {
+            const bool zero = first || s > 0;  // the second set starts at 0 and is added at the end
+            c[s][m][0] = zero ? vzero() : vload(acc + m * NR);
+            c[s][m][1] = zero ? vzero() : vload(acc + m * NR + VL);
+        }
+    long k = k0;
+    for (; k + S <= k1; k += S)
+        for (int s = 0; s < S; ++s) {
+            const float* wk = panel + (k + s) * NR;
+            _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);
+            if constexpr (kPrefetchFar > 0) _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchFar, _MM_HINT_T1);
+            const vf w0 = vload(wk), w1 = vload(wk + VL);
+            for (int m = 0; m < MR; ++m) {
+                const vf xb = vbcast(xp + (k + s) * MR + m);
+                c[s][m][0] = vfma(w0, xb, c[s][m][0]);
+                c[s][m][1] = vfma(w1, xb, c[s][m][1]);
+            }
+        }
+    for (; k < k1; ++k) {
+        const vf w0 = vload(panel + k * NR), w1 = vload(panel + k * NR + VL);
+        for (int m = 0; m < MR; ++m) {
+            const vf xb = vbcast(xp + k * MR + m);
+            c[0][m][0] = vfma(w0, xb, c[0][m][0]);
+            c[0][m][1] = vfma(w1, xb, c[0][m][1]);
+        }
+    }
+    for (int m = 0; m < MR; ++m) {
+        for (int s = 1; s < S; ++s) {
+            c[0][m][0] = c[0][m][0] + c[s][m][0];
+            c[0][m][1] = c[0][m][1] + c[s][m][1];
+        }
+        vstore(acc + m * NR, c[0][m][0]);
+        vstore(acc + m * NR + VL, c[0][m][1]);
+    }
+}
+
+#if defined(SB_BF16DOT)
+// bf16 with AVX512-BF16: per K pair, vdpbf16ps multiplies 16 features x 2 k exactly and adds
+// both products to the fp32 lanes; xp holds the block's bf16 pairs [K/2][MR] (as 32-bit words).
+template <int MR>
+inline void tile_bf16(const uint16_t* panel, const float* xp_, long k0, long k1, float* acc, bool first) {
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(xp_);
+    constexpr int S = sets<MR>();
+    vf c[S][MR][2];
+    for (int s = 0; s < S; ++s)
+        for (int m = 0; m < MR; ++m) {
+            const bool zero = first || s > 0;  // the second set starts at 0 and is added at the end
+            c[s][m][0] = zero ? vzero() : vload(acc + m * NR);
+            c[s][m][1] = zero ? vzero() : vload(acc + m * NR + VL);
+        }
+    long j = k0 / 2;  // chunk bounds are even
+    const long j1 = (k1 + 1) / 2;
+    for (; j + S <= j1; j += S)
+        for (int s = 0; s < S; ++s) {
+            const uint16_t* wk = panel + (j + s) * 2 * NR;
+            _mm_prefetch(reinterpret_cast<const char*>(wk) + 2 * kPrefetch, _MM_HINT_T0);
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 2 * VL);
+            for (int m = 0; m < MR; ++m) {
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[(j + s) * MR + m]));
+                c[s][m][0] = _mm512_dpbf16_ps(c[s][m][0], w0, xb);
+                c[s][m][1] = _mm512_dpbf16_ps(c[s][m][1], w1, xb);
+            }
+        }
+    for (; j < j1; ++j) {
+        const uint16_t* wk = panel + j * 2 * NR;
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 2 * VL);
+        for (int m = 0; m < MR; ++m) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[j * MR + m]));
+            c[0][m][0] = _mm512_dpbf16_ps(c[0][m][0], w0, xb);
+            c[0][m][1] = _mm512_dpbf16_ps(c[0][m][1], w1, xb);
+        }
+    }
+    for (int m = 0; m < MR; ++m) {
+        for (int s = 1; s < S; ++s) {
+            c[0][m][0] = _mm512_add_ps(c[0][m][0], c[s][m][0]);
+            c[0][m][1] = _mm512_add_ps(c[0][m][1], c[s][m][1]);
+        }
+        vstore(acc + m * NR, c[0][m][0]);
+        vstore(acc + m * NR + VL, c[0][m][1]);
+    }
+}
+#else
+// bf16 weights widened in registers (one load -> the panel's two vectors, see the top).
+template <int MR>
+inline void tile_bf16(const uint16_t* panel, const float* xp, long k0, long k1, float* acc, bool first) {
+    constexpr int S = sets<MR>();
+    vf c[S][MR][2];
+    for (int s = 0; s < S; ++s)
+        for (int m = 0; m < MR; ++m) {
+            const bool zero = first || s > 0;  // the second set starts at 0 and is added at the end
+            c[s][m][0] = zero ? vzero() : vload(acc + m * NR);
+            c[s][m][1] = zero ? vzero() : vload(acc + m * NR + VL);
+        }
+    long k = k0;
+    for (; k + S <= k1; k += S)
+        for (int s = 0; s < S; ++s) {
+            const uint16_t* wk = panel + (k + s) * NR;
+            _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);
+            if constexpr (kPrefetchFar > 0) _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchFar, _MM_HINT_T1);
+            vf w0, w1;
+            vwiden(wk, w0, w1);
+            for (int m = 0; m < MR; ++m) {
+                const vf xb = vbcast(xp + (k + s) * MR + m);
+                c[s][m][0] = vfma(w0, xb, c[s][m][0]);
+                c[s][m][1] = vfma(w1, xb, c[s][m][1]);
+            }
+        }
+    for (; k < k1; ++k) {
+        vf w0, w1;
+        vwiden(panel + k * NR, w0, w1);
+        for (int m = 0; m < MR; ++m) {
+            const vf xb = vbcast(xp + k * MR + m);
+            c[0][m][0] = vfma(w0, xb, c[0][m][0]);
+            c[0][m][1] = vfma(w1, xb, c[0][m][1]);
+        }
+    }
+    for (int m = 0; m < MR; ++m) {
+        for (int s = 1; s < S; ++s) {
+            c[0][m][0] = c[0][m][0] + c[s][m][0];
+            c[0][m][1] = c[0][m][1] + c[s][m][1];
+        }
+        vstore(acc + m * NR, c[0][m][0]);
+        vstore(acc + m * NR + VL, c[0][m][1]);
+    }
+}
+#endif
+
+template <typename W>
+inline void tile(int mr, const W* panel, const float* xp, long k0, long k1, float* acc, bool first) {
+#define SB_TILE(M)                                                                                    \
+    case M:                                                                                           \
+        if constexpr (sizeof(W) == 4) tile_f32<M>(reinterpret_cast<const float*>(panel), xp, k0, k1, acc, first); \
+        else tile_bf16<M>(reinterpret_cast<const uint16_t*>(panel), xp, k0, k1, acc, first);          \
+        break;
+    switch (mr) {
+        SB_TILE(1) SB_TILE(2) SB_TILE(3) SB_TILE(4) SB_TILE(5) SB_TILE(6)
+#if defined(SB_AVX512)
+        SB_TILE(7) SB_TILE(8) SB_TILE(9) SB_TILE(10) SB_TILE(11) SB_TILE(12)
+#endif
+        default: break;
+    }
+#undef SB_TILE
+}
+
+// ------------------------------------------------------------------------------ GEMM
+// The token blocks of T rows: full kMaxMR-row blocks, then the rest (T = 16 on AVX2: 6, 6, 4).
+// Full tiles run closest to the FMA peak; a short remainder tile has accumulator sets of its own.
+struct Blocks {
+    int n, start[kMaxTokens], size[kMaxTokens];
+};
+inline void split_tokens(long T, Blocks& b) {
+    b.n = 0;
+    for (long at = 0; at < T; at += kMaxMR) {
+        b.start[b.n] = static_cast<int>(at);
+        b.size[b.n] = static_cast<int>(std::min<long>(kMaxMR, T - at));
+        ++b.n;
+    }
+}
+
+// Activations x [T, K] (type A) packed per token block for tile(): [K][mr] fp32, or with
+// AVX512-BF16 and bf16 weights [K/2][mr] bf16 pairs. Returns the packed blocks (offsets kp*start).
+template <typename W, typename A>
+float* pack_x(const A* x, long xs, long T, long K, long kp, const Blocks& b) {
+    float* xp = scratch<float>(kPack, T * kp + 16);
+    for (int i = 0; i < b.n; ++i) {
+        const long t0 = b.start[i] - b.start[0], mr = b.size[i];
+        float* dst = xp + t0 * kp;
+#if defined(SB_BF16DOT)
+        if constexpr (sizeof(W) == 2) {
+            uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+            for (long m = 0; m < mr; ++m) {
+                const A* row = x + (t0 + m) * xs;
+                for (long j = 0; j < kp / 2; ++j) {
+                    const uint32_t lo = 2 * j < K ? f32_to_bf16(load_act(row, 2 * j)) : 0;
+                    const uint32_t hi = 2 * j + 1 < K ? f32_to_bf16(load_act(row, 2 * j + 1)) : 0;
+                    d[j * mr + m] = lo | (hi << 16);
+                }
+            }
+            continue;
+        }
+#endif
+        for (long m = 0; m < mr; ++m) {
+            const A* row = x + (t0 + m) * xs;
+            for (long k = 0; k < K; ++k) {
+                float v = load_act(row, k);
+                if constexpr (sizeof(W) == 2 && sizeof(A) == 4) v = bf16_to_f32(f32_to_bf16(v));
+                dst[k * mr + m] = v;
+            }
+            for (long k = K; k < kp; ++k) dst[k * mr + m] = 0.f;
+        }
+    }
+    return xp;
+}
+
+// Threads only for large matrices (the LM head). Every OpenMP region ends in a barrier that
+// waits for all its threads: on a shared machine a descheduled thread stalls the region, and
+// ~120 regions per token made 2-thread decode ~40x slower than 1 thread. One region per large
+// matrix bounds that damage.
+constexpr long kParallelMinBytes = 16l << 20;
+
+// What a tile's results become (out rows have stride ldo):
+enum Epilogue {
+    kStore,   // out (type A) = acc (+ res)
+    kAddF32,  // out (fp32) += acc  (the residual stream)
+    kSwiGLU,  // out (type A) [T, N/2] = silu(gate) * up, paired panels
+};
+
+template <typename W, typename A>
+void gemm(const A* x, long xs, long T, const W* wpk, long N, long K, Epilogue ep, const A* res,
+          void* out, long ldo, int threads) {
+    Blocks b;
+    const long kp = packed_k(sizeof(W) == 2, K);
+    const long cols = ep == kSwiGLU ? N / 2 : N;             // output features
+    const long np = ep == kSwiGLU ? (cols + VL - 1) / VL : (N + NR - 1) / NR;
+    const long per = ep == kSwiGLU ? VL : NR;                // output features per panel
+    for (long t0 = 0; t0 < T; t0 += kMaxTokens) {           // prefill: a few blocks of rows at a time
+        const long tn = std::min(kMaxTokens, T - t0);
+        split_tokens(tn, b);
+        const float* xp = pack_x<W, A>(x + t0 * xs, xs, tn, K, kp, b);
+        const long chunk = b.n == 1 ? kp : kChunk;
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (threads > 1 && N * K * static_cast<long>(sizeof(W)) >= kParallelMinBytes)
+        for (long p = 0; p < np; ++p) {
+            alignas(64) float acc[kMaxTokens * NR];
+            const W* panel = wpk + p * NR * kp;
+            for (long k0 = 0; k0 < kp; k0 += chunk) {
+                const long k1 = std::min(kp, k0 + chunk);
+                for (int i = 0; i < b.n; ++i)
+                    tile<W>(b.size[i], panel, xp + b.start[i] * kp, k0, k1, acc + b.start[i] * NR, k0 == 0);
+            }
+            const long n0 = p * per, nn = std::min(per, cols - n0);
+            for (long m = 0; m < tn; ++m) {
+                const float* a = acc + m * NR;
+                const long row = t0 + m;
+                if (ep == kStore) {
+                    A* o = static_cast<A*>(out) + row * ldo + n0;
+                    const A* r = res ? res + row * ldo + n0 : nullptr;
+                    for (long j = 0; j < nn; ++j) store_act(o, j, r ? a[j] + load_act(r, j) : a[j]);
+                } else if (ep == kAddF32) {
+                    float* o = static_cast<float*>(out) + row * ldo + n0;
+                    for (long j = 0; j < nn; ++j) o[j] += a[j];
+                } else {
+                    alignas(64) float e[VL];
+                    for (long j = 0; j < VL; ++j) e[j] = -a[j];
+                    exp_inplace(e, VL);
+                    A* o = static_cast<A*>(out) + row * ldo + n0;
+                    for (long j = 0; j < nn; ++j) store_act(o, j, a[j] / (1.f + e[j]) * a[VL + j]);
+                }
+            }
+        }
+    }
+}
+
+
+// ------------------------------------------------------------------------------ decoder layers
+// A run of decoder layers for T <= kMaxTokens tokens at batch 1, in one call: the computation of
+// real/model.py's TransformerBlock (RMSNorm, fused QKV, RoPE, KV-cache write, grouped-query
+// attention over cache slots [0, S), output projection + residual, RMSNorm, SwiGLU, down
+// projection + residual) without the ~20 PyTorch dispatches per layer that otherwise cost more
+// than the weight streaming of a 135M model. The residual stream stays fp32 across the layers of
+// one call; GEMM inputs and the QKV projection are rounded to the weights' dtype (as the op-by-op
+// path does); K/V are stored in the cache's dtype and read back from it.
+
+struct LayerPtrs {  // kernels/native.py: _LayerPtrs (weights packed by sb_pack; w13 paired)
+    const void* attn_norm;
+    const void* wqkv;
+    const void* wo;
+    const void* ffn_norm;
+    const void* w13;
+    const void* w2;
+    void* k_cache;  // [n_kv_heads, max_seq, head_dim] of batch row 0
+    void* v_cache;
+};
+
+struct LayerDims {  // kernels/native.py: _LayerDims
+    long dim, n_heads, n_kv_heads, head_dim, ffn_dim, max_seq;
+    int dtype;        // weights, activations, RoPE tables: 0 fp32, 1 bf16
+    int cache_dtype;  // 0 fp32, 1 bf16
+    float eps;
+};
+
+// Tensor parallelism (real/tp.py): a rank holds some of each layer's heads (n_heads, n_kv_heads
+// are its own) and a slice of the FFN (ffn_dim is its own), so the output and down projections
+// give partial sums. ``fn`` sums buf [n] over the ranks in place (the residual is added after,
+// so it is counted once); it returns 0, or non-zero to abort the call with that code.
+typedef int (*AllReduceFn)(float* buf, long n, void* ctx);
+struct AllReduce {
+    AllReduceFn fn;
+    void* ctx;
+};
+
+// h [T, N] += x W^T summed over the ranks
+template <typename W>
+int project_add(const AllReduce& ar, const W* x, long T, const W* w, float* h, long N, long K, int threads) {
+    if (ar.fn == nullptr) {
+        gemm<W, W>(x, K, T, w, N, K, kAddF32, nullptr, h, N, threads);
+        return 0;
+    }
+    float* part = scratch<float>(kPart, T * N);
+    std::fill(part, part + T * N, 0.f);
+    gemm<W, W>(x, K, T, w, N, K, kAddF32, nullptr, part, N, threads);
+    if (const int rc = ar.fn(part, T * N, ar.ctx)) return rc;
+    for (long i = 0; i < T * N; ++i) h[i] += part[i];
+    return 0;
+}
+
+inline void load_any(int dtype, const void* p, long n, float* out) {
+    if (dtype == 0) std::memcpy(out, p, n * sizeof(float));
+    else for (long i = 0; i < n; ++i) out[i] = bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+}
+inline void store_any(int dtype, void* p, long off, long n, const float* in) {
+    if (dtype == 0) {
+        std::memcpy(static_cast<float*>(p) + off, in, n * sizeof(float));
+    } else {
+        uint16_t* a = static_cast<uint16_t*>(p) + off;
+        for (long i = 0; i < n; ++i) a[i] = f32_to_bf16(in[i]);
+    }
+}
+
+// out[t] = rms_norm(h[t]) * weight, in the weights' type A (the next GEMM's input)
+template <typename A>
+void rms_norm_rows(const float* h, const A* weight, A* out, long T, long dim, float eps) {
+    for (long t = 0; t < T; ++t) {
+        const float* x = h + t * dim;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (long i = 0; i < dim; ++i) ss += x[i] * x[i];
+        const float scale = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+        for (long i = 0; i < dim; ++i) store_act(out, t * dim + i, x[i] * scale * load_act(weight, i));
+    }
+}
+
+// x rotated in place: x * cos + roll(x, D/2) * sin_signed (the reference's rotate-half form)
+inline void rope_head(float* x, const float* cos, const float* sin, long d) {
+    const long half = d / 2;
+    float tmp[512];
+    for (long i = 0; i < d; ++i) tmp[i] = x[i];
+    for (long i = 0; i < d; ++i) x[i] = tmp[i] * cos[i] + tmp[(i + half) % d] * sin[i];
+}
+
+#if defined(SB_AVX2)
+inline __m256i first_lanes(long n) {  // lanes [0, n) set (all for n >= 8)
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
+
+// Grouped-query attention of T tokens over cache slots [0, S): the rep = Hq/Hkv query heads of
+// a K/V head (times T tokens) share every K row loaded. Scores for many query rows come from VL
+// keys transposed at a time (VL broadcast FMAs per head dimension instead of a horizontal sum
+// per (row, key)); D (head_dim) is a compile-time constant for the common sizes.
+template <typename C, int D>
+void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh, const long* slots,
+                  const uint8_t* mask, long S, long T, long g, float* p, float* out) {
+    const long hq = dm.n_heads, d = D > 0 ? D : dm.head_dim, rep = hq / dm.n_kv_heads;
+    const long qkv = (hq + 2 * dm.n_kv_heads) * d, rows = rep * T;
+    const float scale = 1.f / std::sqrt(static_cast<float>(d));
+    long s0 = 0;
+#if defined(SB_AVX512)
+    if (rows >= 4) {
+        alignas(64) float kt[512 * 16];
+        for (; s0 < S; s0 += 16) {
+            const long nb = S - s0 < 16 ? S - s0 : 16;
+            for (long j = 0; j < 16; ++j)
+                for (long i = 0; i < d; ++i) kt[i * 16 + j] = j < nb ? load_act(kh + (s0 + j) * d, i) : 0.f;
+            const __mmask16 m = nb == 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << nb) - 1u);
+            for (long r = 0; r < rep; ++r)
+                for (long t = 0; t < T; ++t) {
+                    const float* qh = q + t * qkv + (g * rep + r) * d;
+                    __m512 acc = _mm512_setzero_ps();
+                    for (long i = 0; i < d; ++i)
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(qh[i]), _mm512_load_ps(kt + i * 16), acc);
+                    _mm512_mask_storeu_ps(p + (r * T + t) * S + s0, m, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
+                }
+        }
+    }
+#elif defined(SB_AVX2)
+    if (rows >= 4) {
+        alignas(32) float kt[512 * 8];
+        for (; s0 < S; s0 += 8) {
+            const long nb = S - s0 < 8 ? S - s0 : 8;
+            for (long j = 0; j < 8; ++j)
+                for (long i = 0; i < d; ++i) kt[i * 8 + j] = j < nb ? load_act(kh + (s0 + j) * d, i) : 0.f;
+            const __m256i m = first_lanes(nb);
+            for (long r = 0; r < rep; ++r)
+                for (long t = 0; t < T; ++t) {
+                    const float* qh = q + t * qkv + (g * rep + r) * d;
+                    __m256 acc = _mm256_setzero_ps();
+                    for (long i = 0; i < d; ++i)
+                        acc = _mm256_fmadd_ps(_mm256_set1_ps(qh[i]), _mm256_load_ps(kt + i * 8), acc);
+                    _mm256_maskstore_ps(p + (r * T + t) * S + s0, m, _mm256_mul_ps(acc, _mm256_set1_ps(scale)));
+                }
+        }
+    }
+#endif
+    if (s0 > 0)  // the blocked scores above: the mask now
+        for (long r = 0; r < rep; ++r)
+            for (long t = 0; t < T; ++t)
+                for (long s = 0; s < S; ++s)
+                    if (!(mask ? mask[t * S + s] != 0 : s <= slots[t])) p[(r * T + t) * S + s] = -INFINITY;
+    float kv[512];
+    for (long s = s0; s < S; ++s) {
+        for (long i = 0; i < d; ++i) kv[i] = load_act(kh + s * d, i);
+        for (long r = 0; r < rep; ++r)
+            for (long t = 0; t < T; ++t) {
+                const float* qh = q + t * qkv + (g * rep + r) * d;
+                float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                for (long i = 0; i < d; ++i) acc += qh[i] * kv[i];
+                const bool keep = mask ? mask[t * S + s] != 0 : s <= slots[t];
+                p[(r * T + t) * S + s] = keep ? acc * scale : -INFINITY;
+            }
+    }
+    for (long row = 0; row < rows; ++row) {  // softmax; a row with no allowed key gives NaN, as SDPA
+        float* pr = p + row * S;
+        float mx = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : mx)
+        for (long s = 0; s < S; ++s) mx = pr[s] > mx ? pr[s] : mx;
+#pragma omp simd
+        for (long s = 0; s < S; ++s) pr[s] -= mx;
+        exp_inplace(pr, S);
+#pragma omp simd reduction(+ : sum)
+        for (long s = 0; s < S; ++s) sum += pr[s];
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (long s = 0; s < S; ++s) pr[s] *= inv;
+    }
+    for (long row = 0; row < rows; ++row) {
+        const long r = row / T, t = row % T;
+        const float* pr = p + row * S;
+        float o[D > 0 ? D : 512];
+        for (long i = 0; i < d; ++i) o[i] = 0.f;
+        for (long s = 0; s < S; ++s) {
+            const float ps = pr[s];
+            const C* vs = vh + s * d;
+#pragma omp simd
+            for (long i = 0; i < d; ++i) o[i] += ps * load_act(vs, i);
+        }
+        float* dst = out + t * hq * d + (g * rep + r) * d;
+        for (long i = 0; i < d; ++i) dst[i] = o[i];
+    }
+}
+
+template <typename C>
+void attend(const LayerDims& dm, const float* q, const C* kc, const C* vc, const long* slots,
+            const uint8_t* mask, long S, long T, float* out) {
+    const long hkv = dm.n_kv_heads, d = dm.head_dim, rows = dm.n_heads / hkv * T;
+    float* probs = scratch<float>(kProbs, hkv * rows * S);  // single-threaded: small next to the GEMMs
+    for (long g = 0; g < hkv; ++g) {
+        const C* kh = kc + g * dm.max_seq * d;
+        const C* vh = vc + g * dm.max_seq * d;
+        float* p = probs + g * rows * S;
+        if (d == 64) attend_group<C, 64>(dm, q, kh, vh, slots, mask, S, T, g, p, out);
+        else if (d == 128) attend_group<C, 128>(dm, q, kh, vh, slots, mask, S, T, g, p, out);
+        else attend_group<C, 0>(dm, q, kh, vh, slots, mask, S, T, g, p, out);
+    }
+}
+
+template <typename W>
+int layer(const LayerDims& dm, const LayerPtrs& L, const AllReduce& ar, float* h, const long* slots,
+          const float* cos, const float* sin, const uint8_t* mask, long S, long T, int threads) {
+    const long dim = dm.dim, hq = dm.n_heads, hkv = dm.n_kv_heads, d = dm.head_dim, F = dm.ffn_dim;
+    const long nqkv = (hq + 2 * hkv) * d;
+    W* xin = scratch<W>(kXin, T * std::max(dim, hq * d));
+    W* qkv_w = scratch<W>(kAct, T * std::max(nqkv, F));
+    float* qkv = scratch<float>(kQkv, T * nqkv);
+    float* att = scratch<float>(kAtt, T * hq * d);
+
+    // attention block
+    rms_norm_rows<W>(h, static_cast<const W*>(L.attn_norm), xin, T, dim, dm.eps);
+    gemm<W, W>(xin, dim, T, static_cast<const W*>(L.wqkv), nqkv, dim, kStore, nullptr, qkv_w, nqkv, threads);
+    for (long t = 0; t < T; ++t) {
+        float* row = qkv + t * nqkv;
+        for (long i = 0; i < nqkv; ++i) row[i] = load_act(qkv_w, t * nqkv + i);
+        for (long hd = 0; hd < hq + hkv; ++hd) rope_head(row + hd * d, cos + t * d, sin + t * d, d);
+        for (long g = 0; g < hkv; ++g) {
+            const long off = (g * dm.max_seq + slots[t]) * d;
+            store_any(dm.cache_dtype, L.k_cache, off, d, row + (hq + g) * d);
+            store_any(dm.cache_dtype, L.v_cache, off, d, row + (hq + hkv + g) * d);
+        }
+    }
+    if (dm.cache_dtype == 0)
+        attend<float>(dm, qkv, static_cast<const float*>(L.k_cache), static_cast<const float*>(L.v_cache),
+                      slots, mask, S, T, att);
+    else
+        attend<uint16_t>(dm, qkv, static_cast<const uint16_t*>(L.k_cache),
+                         static_cast<const uint16_t*>(L.v_cache), slots, mask, S, T, att);
+    for (long i = 0; i < T * hq * d; ++i) store_act(xin, i, att[i]);
+    if (const int rc = project_add<W>(ar, xin, T, static_cast<const W*>(L.wo), h, dim, hq * d, threads))
+        return rc;
+
+    // MLP block
+    rms_norm_rows<W>(h, static_cast<const W*>(L.ffn_norm), xin, T, dim, dm.eps);
+    W* act = qkv_w;  // free again
+    gemm<W, W>(xin, dim, T, static_cast<const W*>(L.w13), 2 * F, dim, kSwiGLU, nullptr, act, F, threads);
+    return project_add<W>(ar, act, T, static_cast<const W*>(L.w2), h, dim, F, threads);
+}
+
+template <typename W>
+int layers_any(const LayerDims& dm, const LayerPtrs* layers, const AllReduce& ar, int n, void* hio,
+               const long* slots, const void* cos_in, const void* sin_in, const uint8_t* mask, long S,
+               long T, int threads) {
+    if (T < 1 || T > kMaxTokens || dm.head_dim > 512 || dm.n_heads % dm.n_kv_heads) return 1;
+    const long dim = dm.dim, d = dm.head_dim;
+    std::vector<float> h(T * dim), cos(T * d), sin(T * d);
+    load_any(dm.dtype, hio, T * dim, h.data());
+    load_any(dm.dtype, cos_in, T * d, cos.data());
+    load_any(dm.dtype, sin_in, T * d, sin.data());
+    for (int l = 0; l < n; ++l)
+        if (const int rc = layer<W>(dm, layers[l], ar, h.data(), slots, cos.data(), sin.data(), mask, S, T, threads))
+            return rc;  // hio untouched: the caller raises (the ranks are out of step now)
+    store_any(dm.dtype, hio, 0, T * dim, h.data());
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+// dtype codes: 0 = fp32, 1 = bf16 (weights and activations share one dtype). Return 0 on success.
+
+// Elements (of the dtype) of W [N, K] packed by sb_pack (paired: SwiGLU's [gate; up], N even).
+long sb_packed_elems(int dtype, int paired, long N, long K) {
+    if (paired) return (N / 2 + VL - 1) / VL * NR * packed_k(dtype, K);
+    return packed_elems(dtype, N, K);
+}
+
+int sb_pack(int dtype, int paired, const void* w, long N, long K, void* out) {
+    if (N < 1 || K < 1 || (paired && N % 2)) return 1;
+    if (dtype == 0) pack<float>(static_cast<const float*>(w), paired, N, K, static_cast<float*>(out));
+    else pack<uint16_t>(static_cast<const uint16_t*>(w), paired, N, K, static_cast<uint16_t*>(out));
+    return 0;
+}
+
+// y [T, N] = x [T, K] W^T (+ res [T, N]); w packed by sb_pack. Any T >= 1.
+int sb_linear(int dtype, const void* x, const void* w, const void* res, void* y, long T, long N, long K,
+              int threads) {
+    if (T < 1) return 1;
+    if (dtype == 0)
+        gemm<float, float>(static_cast<const float*>(x), K, T, static_cast<const float*>(w), N, K, kStore,
+                           static_cast<const float*>(res), y, N, threads);
+    else
+        gemm<uint16_t, uint16_t>(static_cast<const uint16_t*>(x), K, T, static_cast<const uint16_t*>(w), N, K,
+                                 kStore, static_cast<const uint16_t*>(res), y, N, threads);
+    return 0;
+}
+
+// y [T, F] = silu(x gate^T) * (x up^T), w = [gate; up] (2F rows) packed paired.
+int sb_swiglu(int dtype, const void* x, const void* w, void* y, long T, long F, long K, int threads) {
+    if (T < 1) return 1;
+    if (dtype == 0)
+        gemm<float, float>(static_cast<const float*>(x), K, T, static_cast<const float*>(w), 2 * F, K, kSwiGLU,
+                           nullptr, y, F, threads);
+    else
+        gemm<uint16_t, uint16_t>(static_cast<const uint16_t*>(x), K, T, static_cast<const uint16_t*>(w), 2 * F,
+                                 K, kSwiGLU, nullptr, y, F, threads);
+    return 0;
+}
+
+// Layers [0, n) of ``layers`` on hidden states hio [T, dim] (dims.dtype), updated in place.
+// slots [T]: cache slots written; mask [T, S] (1 = attend) or null: token t sees slots <= slots[t].
+// allreduce/ctx: the tensor-parallel sum (see AllReduce), or null on a single rank.
+int sb_layers(const LayerDims* dims, const LayerPtrs* layers, int n, void* hio, const long* slots,
+              const void* cos, const void* sin, const uint8_t* mask, long S, long T, int threads,
+              AllReduceFn allreduce, void* ctx) {
+    const AllReduce ar{allreduce, ctx};
+    return dims->dtype == 0
+               ? layers_any<float>(*dims, layers, ar, n, hio, slots, cos, sin, mask, S, T, threads)
+               : layers_any<uint16_t>(*dims, layers, ar, n, hio, slots, cos, sin, mask, S, T, threads);
+}
+
+long sb_max_tokens() { return kMaxTokens; }
+
+// The core's fp32 FMA peak in GFLOP/s: 2 * VL * 2 FLOPs per FMA over 12 independent chains
+// for ``seconds`` (the compute roof of benchmarks/bench_verify.py, next to torch.matmul's).
+double sb_fma_peak(double seconds) {
+    vf a[12];
+    for (int j = 0; j < 12; ++j) {
+        const float v = static_cast<float>(j);
+        a[j] = vbcast(&v);
+    }
+    const float bs = 0.999999f, cs = 1e-6f;
+    const vf b = vbcast(&bs), c = vbcast(&cs);
+    const double start = omp_get_wtime();
+    long iters = 0;
+    double now = start;
+    while (now - start < seconds) {
+        for (int i = 0; i < 4096; ++i)
+            for (int j = 0; j < 12; ++j) a[j] = vfma(a[j], b, c);
+        iters += 4096;
+        now = omp_get_wtime();
+    }
+    float sink[VL];
+    vf s = a[0];
+    for (int j = 1; j < 12; ++j) s = s + a[j];
+    vstore(sink, s);
+    volatile float keep = sink[0];
+    (void)keep;
+    return iters * 12.0 * VL * 2.0 / (now - start) / 1e9;
+}
+
+// Features of one draft token for the lookahead policies (testbed.spec.lookahead.
+// draft_token_features): the k largest probabilities of softmax(x) (largest first), the entropy
+// and p[token], in two passes over the logits x [n] where PyTorch needs ~8 ops and ~100 us for a
+// 49k vocabulary. Pass 1: the maximum of every block of 64 (the k largest values lie in the k
+// blocks with the largest maxima, so the top-k searches k * 64 values). Pass 2, in chunks:
+// z = max(x - max x, -104) (so a -inf logit gives e = 0 and e z = 0, not NaN), e = exp z,
+// Z = sum e, S = sum e z; entropy = log Z - S / Z. out: k + 2 floats.
+int sb_token_features(const float* x, long n, long token, int k, float* out) {
+    constexpr long B = 64, kChunk = 1024;
+    if (n <= 0 || token < 0 || token >= n || k <= 0) return 1;
+    const long nb = (n + B - 1) / B;
+    std::vector<float> bmax(nb);
+    float m = -INFINITY;
+    for (long b = 0; b < nb; ++b) {
+        const long lo = b * B, hi = std::min(n, lo + B);
+        float bm = -INFINITY;
+#pragma omp simd reduction(max : bm)
+        for (long i = lo; i < hi; ++i) bm = x[i] > bm ? x[i] : bm;
+        bmax[b] = bm;
+        m = bm > m ? bm : m;
+    }
+    alignas(64) float z[kChunk], e[kChunk];
+    double Z = 0.0, S = 0.0;
+    for (long lo = 0; lo < n; lo += kChunk) {
+        const long len = std::min(kChunk, n - lo);
+#pragma omp simd
+        for (long i = 0; i < len; ++i) {
+            const float v = x[lo + i] - m;
+            z[i] = v > -104.f ? v : -104.f;
+            e[i] = z[i];
+        }
+        exp_inplace(e, len);
+        float zs = 0.f, ss = 0.f;
+#pragma omp simd reduction(+ : zs, ss)
+        for (long i = 0; i < len; ++i) {
+            zs += e[i];
+            ss += e[i] * z[i];
+        }
+        Z += zs;
+        S += ss;
+    }
+    const long kk = std::min<long>(k, n), kb = std::min<long>(kk, nb);
+    std::vector<long> blocks(nb);
+    for (long b = 0; b < nb; ++b) blocks[b] = b;
+    std::partial_sort(blocks.begin(), blocks.begin() + kb, blocks.end(),
+                      [&](long a, long b) { return bmax[a] > bmax[b]; });
+    std::vector<float> cand;
+    cand.reserve(kb * B);
+    for (long j = 0; j < kb; ++j)
+        for (long i = blocks[j] * B; i < std::min(n, (blocks[j] + 1) * B); ++i) cand.push_back(x[i]);
+    std::partial_sort(cand.begin(), cand.begin() + kk, cand.end(), std::greater<float>());
+    for (long j = 0; j < k; ++j) out[j] = j < kk ? float(std::exp(double(cand[j]) - m) / Z) : 0.f;
+    out[k] = float(std::log(Z) - S / Z);
+    out[k + 1] = float(std::exp(double(x[token]) - m) / Z);
+    return 0;
+}
+
+int sb_has_avx512() {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+}
