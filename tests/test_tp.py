@@ -82,7 +82,8 @@ def _tree_mask(prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _scenarios(model: Transformer) -> dict[str, torch.Tensor]:
-    """Prefill (12 tokens), a 1-token decode, a 6-node tree (non-square mask): their logits."""
+    """Prefill (12 tokens), a 1-token decode, a 6-node tree (non-square mask), a 16-token
+    verification window: their logits."""
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, TINY_TP.vocab_size, (1, 12), generator=gen)
     tree = torch.randint(0, TINY_TP.vocab_size, (1, 6), generator=gen)
@@ -93,6 +94,9 @@ def _scenarios(model: Transformer) -> dict[str, torch.Tensor]:
         out["prefill"] = model(prompt, 0)
         out["decode"] = model(prompt[:, -1:], 12)
         out["tree"] = model(tree, torch.arange(13, 19), mask=mask, position_ids=rope)
+        model.truncate(13)
+        window = torch.randint(0, TINY_TP.vocab_size, (1, 16), generator=gen)
+        out["window16"] = model(window, 13)
     return out
 
 
