@@ -12,8 +12,9 @@ runs the jobs (basic: one process; joblib: worker processes; submitit: other mac
   the progress line printed to stderr after every job (done, failed, skipped, ETA);
 - ``results.parquet`` and ``results.csv``: every summary (and every failure) of the sweep.
 
-`backend=real` jobs hold a host-wide file lock while they run (two real runs on one machine
-distort each other's timings) unless ``real.allow_concurrent=true``.
+`backend=real` jobs hold a host-wide lock while they run (two real runs on one machine distort
+each other's timings) unless ``real.allow_concurrent=true``; the ranks of one torchrun job share
+it (testbed.host_lock).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Iterator
@@ -36,7 +36,6 @@ FAILED = "job_failed.json"
 SKIPPED = ".skipped"
 STATE = ".sweep.json"
 PROGRESS_LOCK, PROGRESS_LAST = ".progress.lock", ".progress"  # job_finished
-REAL_LOCK = Path(tempfile.gettempdir()) / "specbed-real-backend.lock"
 
 
 def already_done(run_dir: Path, exp: ExperimentConfig) -> bool:
@@ -141,23 +140,15 @@ def _write_line(line: str) -> None:
 
 @contextlib.contextmanager
 def real_run_lock(exp: ExperimentConfig, run_dir: Path) -> Iterator[None]:
-    """One real run at a time on this host (unless real.allow_concurrent=true)."""
+    """One real job at a time on this host (unless real.allow_concurrent=true); the ranks of one
+    torchrun job share it (testbed.host_lock)."""
     if exp.backend != "real" or exp.real.allow_concurrent:
         yield
         return
-    from filelock import FileLock
+    from testbed import host_lock
 
-    lock = FileLock(str(REAL_LOCK))
-    try:
-        lock.acquire(timeout=0)
-    except Exception:
-        print(f"{run_dir.name}: waiting for another real run on this host to finish "
-              f"(real.allow_concurrent=true runs them at once)", file=sys.stderr, flush=True)
-        lock.acquire()
-    try:
+    with host_lock.held(run_dir.name):
         yield
-    finally:
-        lock.release()
 
 
 def failures(sweep_dir: Path) -> list[dict[str, Any]]:
