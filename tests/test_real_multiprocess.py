@@ -9,7 +9,7 @@ import pytest
 
 from real.engine import run
 from tests.conftest import compose_exp
-from tests.processes import live_descendants, live_workers
+from tests.processes import assert_promised_files, live_descendants, live_workers
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2,
@@ -38,7 +38,7 @@ TREE = ("schedule=sync", "schedule.tree=true", "schedule.tree_width=3", "schedul
     (TREE, "shm"),
     pytest.param(SYNC, "shm", marks=pytest.mark.slow),
     pytest.param(TREE, "gloo", marks=pytest.mark.slow)])
-def test_tensor_parallel_run_equals_the_single_process_run(tiny_pair, schedule, allreduce) -> None:  # type: ignore[no-untyped-def]
+def test_tensor_parallel_run_equals_the_single_process_run(tiny_pair, schedule, allreduce, tmp_path) -> None:  # type: ignore[no-untyped-def]
     target, draft = tiny_pair
     common = ("backend=real", f"pair.target.path={target}", f"pair.draft.path={draft}",
               "workload.num_prompts=2", "workload.max_new_tokens=20", "real.ignore_eos=true",
@@ -46,9 +46,11 @@ def test_tensor_parallel_run_equals_the_single_process_run(tiny_pair, schedule, 
     one = run(compose_exp(*common))
     spec1, ar1 = _outputs(one)
     assert spec1 == ar1 and all(len(o) == 20 for o in spec1)  # lossless at temperature 0
-    two = run(compose_exp(*common, "placement.target_gpus=2", "placement.draft_gpus=2",
-                          f"real.allreduce={allreduce}"))
+    exp2 = compose_exp(*common, "placement.target_gpus=2", "placement.draft_gpus=2",
+                       f"real.allreduce={allreduce}")
+    two = run(exp2)
     assert two.extra["processes"] == 2
+    assert_promised_files(tmp_path, exp2, two)
     for res in (one, two):  # the probe forwards, timed on the run's own devices before decoding
         assert res.extra["probe_target_s"] > 0 and res.extra["probe_draft_s"] > 0
         assert res.extra["probe_target_k8_s"] > res.extra["probe_target_s"] and res.extra["probe_draft_k8_s"] > 0
