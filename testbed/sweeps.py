@@ -9,7 +9,9 @@ runs the jobs (basic: one process; joblib: worker processes; submitit: other mac
 - a failing job writes ``job_failed.json`` (the error, one line, and the traceback when it is not
   a user error) instead of ending the sweep; the sweep report lists it;
 - ``.sweep.json`` (written when the multirun starts) holds the start time and the job count for
-  the progress line printed to stderr after every job (done, failed, skipped, ETA);
+  the progress line printed to stderr after every job (done, failed, skipped, ETA); each job of
+  this attempt marks its directory ``.finished`` (and ``.skipped`` when it was already done), so
+  the line counts this attempt's jobs, not the summaries an earlier attempt left;
 - ``results.parquet`` and ``results.csv``: every summary (and every failure) of the sweep.
 
 `backend=real` jobs hold a host-wide lock while they run (two real runs on one machine distort
@@ -33,7 +35,7 @@ from testbed.config import ExperimentConfig
 from testbed.unused_settings import HASH_FILE, experiment_hash
 
 FAILED = "job_failed.json"
-SKIPPED = ".skipped"
+SKIPPED, FINISHED = ".skipped", ".finished"  # this attempt's markers (cleared by start)
 STATE = ".sweep.json"
 PROGRESS_LOCK, PROGRESS_LAST = ".progress.lock", ".progress"  # job_finished
 
@@ -70,8 +72,10 @@ def _state(sweep_dir: Path) -> dict[str, Any]:
 
 def start(sweep_dir: Path, jobs: int) -> None:
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    for d in sweep_dir.iterdir():  # skip markers of an earlier attempt
-        (d / SKIPPED).unlink(missing_ok=True) if d.is_dir() else None
+    for d in sweep_dir.iterdir():  # markers of an earlier attempt
+        if d.is_dir():
+            (d / SKIPPED).unlink(missing_ok=True)
+            (d / FINISHED).unlink(missing_ok=True)
     (sweep_dir / PROGRESS_LAST).unlink(missing_ok=True)
     (sweep_dir / STATE).write_text(json.dumps({"start": time.time(), "jobs": jobs}) + "\n")
 
@@ -81,11 +85,11 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
 
 
 def counts(sweep_dir: Path) -> dict[str, int]:
-    dirs = job_dirs(sweep_dir)
+    """This attempt's jobs: done (skipped ones included), failed, skipped."""
+    dirs = [d for d in job_dirs(sweep_dir) if (d / FINISHED).exists()]
     failed = sum((d / FAILED).exists() for d in dirs)
-    done = sum((d / "summary.json").exists() and not (d / FAILED).exists() for d in dirs)
     skipped = sum((d / SKIPPED).exists() for d in dirs)
-    return {"done": done, "failed": failed, "skipped": skipped}
+    return {"done": len(dirs) - failed, "failed": failed, "skipped": skipped}
 
 
 def progress_line(sweep_dir: Path, c: dict[str, int] | None = None) -> str:
@@ -113,6 +117,7 @@ def job_finished(run_dir: Path, skipped: bool = False) -> None:
 
     if skipped:
         (run_dir / SKIPPED).touch()
+    (run_dir / FINISHED).touch()
     sweep_dir = run_dir.parent
     with FileLock(str(sweep_dir / PROGRESS_LOCK)):
         c = counts(sweep_dir)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from testbed.results import write_run
 from tests.conftest import ROOT, compose_exp, run_cli
@@ -54,6 +55,25 @@ def test_interrupted_sweep_resumes_where_it_stopped(tmp_path: Path) -> None:
     assert len(whole) == JOBS and set(whole["status"]) == {"ok"}
     pd.testing.assert_frame_equal(resumed, whole)
     assert (sweep / "results.csv").read_text() == (clean / "results.csv").read_text()
+
+
+@pytest.mark.parametrize("removed", [0, 2])
+def test_resume_counts_every_skipped_job(tmp_path: Path, removed: int) -> None:
+    """A re-run into the same hydra.sweep.dir, with the results of ``removed`` of its n jobs
+    deleted, prints one progress line per job and ends with n/n done, n - removed skipped (not
+    the summaries an earlier attempt left counted as done at the first skip)."""
+    sweep, n = tmp_path / "sweep", 4
+    args = ["-m", "schedule.gamma=1,2,3,4", "workload.num_prompts=1", "workload.max_new_tokens=8",
+            "report.per_run=false", f"hydra.sweep.dir={sweep}"]
+    assert run_cli(*args).returncode == 0
+    for d in sorted(finished(sweep))[:removed]:
+        (d / "summary.json").unlink()
+    p = run_cli(*args)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("sweep: ")]
+    assert [ln.split()[1] for ln in lines] == [f"{i}/{n}" for i in range(1, n + 1)], lines
+    assert f"{n - removed} skipped" in lines[-1], lines[-1]
+    assert len(finished(sweep)) == n
 
 
 def test_changed_experiment_is_rerun(tmp_path: Path) -> None:
