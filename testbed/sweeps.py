@@ -40,6 +40,29 @@ STATE = ".sweep.json"
 PROGRESS_LOCK, PROGRESS_LAST = ".progress.lock", ".progress"  # job_finished
 
 
+_CHECKED: dict[str, list[ExperimentConfig]] = {}  # sweep key -> its jobs, as the pre-run check saw them
+
+
+def sweep_key(cfg: Any) -> str:
+    """``hydra.sweep.dir`` as written, before interpolation: the same in the pre-run check's
+    composition and in Hydra's, though a default ``${now:...}`` may resolve a second apart."""
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.to_container(cfg.hydra.sweep, resolve=False)["dir"])
+
+
+def remember_jobs(cfg: Any, exps: list[ExperimentConfig]) -> None:
+    """The pre-run check's experiments of every job (testbed.preflight), for callbacks that
+    prepare the sweep in this process before any job runs (real.ensure_profile)."""
+    _CHECKED.clear()
+    _CHECKED[sweep_key(cfg)] = exps
+
+
+def checked_jobs(cfg: Any) -> list[ExperimentConfig] | None:
+    """The jobs of the sweep ``cfg`` starts, as checked before it started (None: not here)."""
+    return _CHECKED.get(sweep_key(cfg))
+
+
 def already_done(run_dir: Path, exp: ExperimentConfig) -> bool:
     h = run_dir / HASH_FILE
     return ((run_dir / "summary.json").exists() and h.exists()
