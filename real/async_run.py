@@ -17,6 +17,7 @@ workers; ``real.runtime.merge_records`` makes them one run (timeline.parquet).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from real.schedules.async_tree import (
     probe_target,
     target_worker,
 )
+from real.telemetry import Telemetry, run_files
 from real.tree_tokens import LocalModel
 from testbed.config import ExperimentConfig
 from testbed.recorder import RunRecorder, RunResult
@@ -54,6 +56,8 @@ class AsyncServed:
     outputs: list[list[int]]
     baseline: RunRecorder | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    telemetry: Any = None  # the target leader's samples (pandas frame) and their summary
+    telemetry_summary: dict | None = None
 
 
 def check_draft(exp: ExperimentConfig) -> None:
@@ -123,10 +127,14 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
                     ctx.now, exp.seed, draft_source=ngram_source(exp, params, vocab), probe=probe)
         served = AsyncServed(role, [])
         if role == "target":
-            probe_target(side, exp, requests[0])
-            for req in requests:
-                probe_before_request(side, role, req)
-                served.outputs.append(target_worker(side, req, eos))
+            telemetry = Telemetry(exp.real.device)
+            with telemetry if ctx.is_leader else contextlib.nullcontext():
+                probe_target(side, exp, requests[0])
+                for req in requests:
+                    probe_before_request(side, role, req)
+                    served.outputs.append(target_worker(side, req, eos))
+            if ctx.is_leader:
+                served.telemetry, served.telemetry_summary = telemetry.frame(), telemetry.summary()
             served.baseline = _baseline(exp, model, params, requests, eos, peer)
         else:
             depth, t_target, t_draft = probe_draft(side, exp, requests[0])
@@ -187,4 +195,5 @@ def run_async(exp: ExperimentConfig) -> RunResult:
              "workload_split": exp.workload.split, "max_new_tokens": exp.workload.max_new_tokens,
              "processes": len(results), "allreduce": exp.real.allreduce,
              **draft.value.extra, **leader.value.extra}
-    return RunResult(recorder=merge_records(results), baseline=leader.value.baseline, extra=extra)
+    return RunResult(recorder=merge_records(results), baseline=leader.value.baseline, extra=extra,
+                     artifacts=run_files(leader.value.telemetry, leader.value.telemetry_summary))

@@ -1,6 +1,7 @@
 """`python -m testbed backend=real +calibrate`: measure the latency tables of `sim.cost_model=profile`.
 
-What is timed is what the real engine calls, at the experiment's real.threads and real.dtype,
+What is timed is what the real engine calls, at the experiment's real.threads (unset: one
+thread, ``PROFILE_THREADS``, as the sweeps run) and real.dtype,
 for greedy (temperature 0: argmax) and sampled (softmax + draw over the vocabulary) decoding:
 
 - target: ``TargetRunner.probs`` over k = 1..32 tokens at several context lengths (the cached
@@ -50,6 +51,10 @@ from testbed.paths import CONF_DIR, repo_path
 from testbed.paths import profile_path as testbed_profile_path
 
 SCHEMA = 2  # 2: per-model "tp" tables, "allreduce", links.gloo_round_trip (real/calibrate_tp.py)
+# real.threads=0 (torch's default): one intra-op thread, as a device is one core to the sweeps
+# (`real.threads: 1` in conf/sweep/) and to every multi-process worker, so that the profile
+# `+calibrate` writes is the one the README's sweeps read
+PROFILE_THREADS = 1
 TEMPERATURES = {"greedy": 0.0, "sample": 1.0}
 
 
@@ -308,8 +313,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
     load_before = load_average()
     probe_before = probe_record()  # the machine's speed now (sim.profile_drift=probe)
     old_threads = torch.get_num_threads()
-    if exp.real.threads:
-        torch.set_num_threads(exp.real.threads)
+    torch.set_num_threads(exp.real.threads or PROFILE_THREADS)
     try:
         with torch.inference_mode():
             t = exp.pair.target
@@ -371,6 +375,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
         "schema": SCHEMA, "kind": "testbed-latency-profile", "hardware": exp.hardware.name,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "machine": machine_facts(), "torch": torch.__version__, "threads": threads,
+        "cores": len(os.sched_getaffinity(0)),  # the cores it could use: TP degrees up to this
         "dtype": exp.real.dtype, "device": exp.real.device, "statistic": "median",
         "repeats": grid.repeats, "load_average": {"before": load_before, "after": load_average()},
         "probe": {"gbps": round((probe_before["gbps"] + probe_after["gbps"]) / 2, 3),

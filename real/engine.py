@@ -29,7 +29,7 @@ from real.model import Transformer
 from real.probe_forward import RunProbe, role_probes
 from real.runners import TargetRunner
 from real.schedules import get_schedule
-from real.telemetry import Telemetry
+from real.telemetry import Telemetry, run_files
 from real.tree_tokens import tree_cache_slots
 from testbed.config import ExperimentConfig, as_dict
 from testbed.recorder import RunRecorder, RunResult
@@ -227,12 +227,10 @@ def _run_spawned(exp: ExperimentConfig) -> RunResult:
                 "real.allreduce=gloo")
     extra = {**leader.extra, "processes": len(results), "allreduce": exp.real.allreduce}
     return RunResult(recorder=leader.rec, baseline=leader.baseline, extra=extra,
-                     artifacts={"telemetry.parquet": leader.telemetry,
-                                "run_info.json": {"telemetry": leader.telemetry_summary}})
+                     artifacts=run_files(leader.telemetry, leader.telemetry_summary))
 
 
 def _run(exp: ExperimentConfig) -> RunResult:
     served = _serve_all(exp, None, True)
     return RunResult(recorder=served.rec, baseline=served.baseline, extra=served.extra,
-                     artifacts={"telemetry.parquet": served.telemetry,
-                                "run_info.json": {"telemetry": served.telemetry_summary}})
+                     artifacts=run_files(served.telemetry, served.telemetry_summary))

@@ -45,6 +45,7 @@ from real.schedules.decentralized import (
     make_verifier,
     sends_dists,
 )
+from real.telemetry import Telemetry, run_files
 from testbed.config import ExperimentConfig
 from testbed.metrics import divergence
 from testbed.recorder import RunRecorder, RunResult
@@ -65,6 +66,8 @@ class StageServed:
     key: int = 0
     drafted: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    telemetry: Any = None  # the first stage's samples while it serves (pandas frame), their summary
+    telemetry_summary: dict | None = None
 
 
 def check(exp: ExperimentConfig) -> None:
@@ -177,24 +180,27 @@ def _first_stage(stage: Stage, exp: ExperimentConfig, served: StageServed, reque
 
         return make_verify(Message(Kind.ACTIVATIONS, request_id=req.request_id, version=phase))
 
-    if exp.schedule.name == "decentralized":
-        draft = make_draft(exp, target, tokenizer, draft_params(params, exp.schedule.draft_topk))
-        if draft is None:
-            raise _Err("schedule=decentralized needs a draft")
-        if isinstance(draft, ModelDraft) and draft.model.max_seq < draft_slots:
-            draft.model.setup_cache(draft_slots)
-        # the draft's probe, alone: the other stages wait for the first window
-        probe = RunProbe(role_probes(None, draft, draft_params(params, exp.schedule.draft_topk)))
-        probe.take()
-        served.extra.update(probe.fields())
-        send = sends_dists(params, draft)
-        for req in requests:
-            served.outputs.append(dsd_first_stage(stage, draft, req, eos, exp=exp, rec=stage.rec,
-                                                  send_dists=send, verify=verify_for(req, SCHEDULE_PHASE)))
-    else:
-        for req in requests:
-            served.outputs.append(ar_pipeline(stage, req, eos, verify_for(req, SCHEDULE_PHASE),
-                                              rec=stage.rec, phase=SCHEDULE_PHASE))
+    telemetry = Telemetry(exp.real.device)
+    with telemetry:
+        if exp.schedule.name == "decentralized":
+            draft = make_draft(exp, target, tokenizer, draft_params(params, exp.schedule.draft_topk))
+            if draft is None:
+                raise _Err("schedule=decentralized needs a draft")
+            if isinstance(draft, ModelDraft) and draft.model.max_seq < draft_slots:
+                draft.model.setup_cache(draft_slots)
+            # the draft's probe, alone: the other stages wait for the first window
+            probe = RunProbe(role_probes(None, draft, draft_params(params, exp.schedule.draft_topk)))
+            probe.take()
+            served.extra.update(probe.fields())
+            send = sends_dists(params, draft)
+            for req in requests:
+                served.outputs.append(dsd_first_stage(stage, draft, req, eos, exp=exp, rec=stage.rec,
+                                                      send_dists=send, verify=verify_for(req, SCHEDULE_PHASE)))
+        else:
+            for req in requests:
+                served.outputs.append(ar_pipeline(stage, req, eos, verify_for(req, SCHEDULE_PHASE),
+                                                  rec=stage.rec, phase=SCHEDULE_PHASE))
+    served.telemetry, served.telemetry_summary = telemetry.frame(), telemetry.summary()
     served.schedule_end_s = stage.now()
     if exp.schedule.name != "ar" and exp.real.baseline:
         served.baseline = RunRecorder(keep_spans=False)
@@ -281,4 +287,5 @@ def run_pipeline(exp: ExperimentConfig) -> RunResult:
     for role, name in (("target", "probe_target_s"), ("target_k8", "probe_target_k8_s")):
         extra[name] = round(sum(st.extra.get("probe_stage", {}).get(role, 0.0) for st in stages), 7)
     extra.update({k: v for k, v in first.extra.items() if k in ("probe_draft_s", "probe_draft_k8_s", "probe_draft_pair_s")})
-    return RunResult(recorder=rec, baseline=first.baseline, extra=extra)
+    return RunResult(recorder=rec, baseline=first.baseline, extra=extra,
+                     artifacts=run_files(first.telemetry, first.telemetry_summary))

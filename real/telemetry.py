@@ -1,5 +1,6 @@
 """Telemetry of a real run, sampled in a background thread: NVML (nvidia-ml-py) when a GPU is
-used, CPU utilisation and resident memory (psutil) always. Written as telemetry.parquet."""
+used, CPU utilisation and resident memory (psutil) always. Written as telemetry.parquet, its
+summary in run_info.json (``run_files``): every real run writes both, whatever its schedule."""
 
 from __future__ import annotations
 
@@ -71,3 +72,9 @@ class Telemetry:
         if "gpu_util_percent" in df:
             out["gpu_util_percent_mean"] = float(df.gpu_util_percent.mean())
         return out
+
+
+def run_files(frame: pd.DataFrame | None, summary: dict | None) -> dict[str, Any]:
+    """A run's files from the telemetry its sampling rank sent back (RunResult.artifacts)."""
+    frame = Telemetry().frame() if frame is None else frame  # (no samples: the empty table)
+    return {"telemetry.parquet": frame, "run_info.json": {"telemetry": summary or {"samples": 0}}}

@@ -69,18 +69,9 @@ from testbed.config import ConfigError, ExperimentConfig
 from testbed.links import LinkModel
 from testbed.machine import FORWARD_PROBE_CONTEXT
 from testbed.paths import profile_path
+from testbed.placement import tp_degrees  # noqa: F401  (re-exported: the TP degree per role)
 
 MIN_ROUNDS = 5  # rescale: rounds of one k needed for a k of its own
-
-
-def tp_degrees(exp: ExperimentConfig) -> dict[str, int]:
-    """The TP degree of the group that runs each model (testbed.placement)."""
-    from testbed.placement import make_placement
-
-    pl = make_placement(exp)
-    target = next(g for g in pl.groups if g.role == "target")
-    draft = pl.group(pl.draft_group) if pl.draft_group else target
-    return {"target": target.tp, "draft": draft.tp}
 
 
 class ProfileCost(CostModel):

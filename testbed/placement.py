@@ -284,3 +284,12 @@ def make_placement(exp: ExperimentConfig, *, devices: int | None = None, hosts: 
                   for g in groups for i, r in enumerate(g.ranks))
     return Placement(kind, world, devices, tuple(groups), tuple(channels), tuple(links), ranks,
                      draft_group)
+
+
+def tp_degrees(exp: ExperimentConfig) -> dict[str, int]:
+    """The TP degree of the group that runs each model (the profile cost model's TP tables, and
+    the pre-run check of what a sweep needs from the profile)."""
+    pl = make_placement(exp)
+    target = next(g for g in pl.groups if g.role == "target")
+    draft = pl.group(pl.draft_group) if pl.draft_group else target
+    return {"target": target.tp, "draft": draft.tp}

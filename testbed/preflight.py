@@ -315,6 +315,9 @@ def preflight(args: list[str], composed: dict[str, Any] | None = None, warm_pool
         for params in _grids(cfg.hydra.sweeper):
             n += _check_grid(cfg, params, dict(sweeps), parsed, plain, parser, exps, n)
         _check_unused(user_keys, exps)
+        from testbed.sweeps import remember_jobs
+
+        remember_jobs(cfg, exps)  # what each job needs (real.ensure_profile)
         return _grid_jobs(cfg, args) or n
 
 

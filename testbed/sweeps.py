@@ -9,11 +9,14 @@ runs the jobs (basic: one process; joblib: worker processes; submitit: other mac
 - a failing job writes ``job_failed.json`` (the error, one line, and the traceback when it is not
   a user error) instead of ending the sweep; the sweep report lists it;
 - ``.sweep.json`` (written when the multirun starts) holds the start time and the job count for
-  the progress line printed to stderr after every job (done, failed, skipped, ETA);
+  the progress line printed to stderr after every job (done, failed, skipped, ETA); each job of
+  this attempt marks its directory ``.finished`` (and ``.skipped`` when it was already done), so
+  the line counts this attempt's jobs, not the summaries an earlier attempt left;
 - ``results.parquet`` and ``results.csv``: every summary (and every failure) of the sweep.
 
-`backend=real` jobs hold a host-wide file lock while they run (two real runs on one machine
-distort each other's timings) unless ``real.allow_concurrent=true``.
+`backend=real` jobs hold a host-wide lock while they run (two real runs on one machine distort
+each other's timings) unless ``real.allow_concurrent=true``; the ranks of one torchrun job share
+it (testbed.host_lock).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Iterator
@@ -33,10 +35,32 @@ from testbed.config import ExperimentConfig
 from testbed.unused_settings import HASH_FILE, experiment_hash
 
 FAILED = "job_failed.json"
-SKIPPED = ".skipped"
+SKIPPED, FINISHED = ".skipped", ".finished"  # this attempt's markers (cleared by start)
 STATE = ".sweep.json"
 PROGRESS_LOCK, PROGRESS_LAST = ".progress.lock", ".progress"  # job_finished
-REAL_LOCK = Path(tempfile.gettempdir()) / "specbed-real-backend.lock"
+
+
+_CHECKED: dict[str, list[ExperimentConfig]] = {}  # sweep key -> its jobs, as the pre-run check saw them
+
+
+def sweep_key(cfg: Any) -> str:
+    """``hydra.sweep.dir`` as written, before interpolation: the same in the pre-run check's
+    composition and in Hydra's, though a default ``${now:...}`` may resolve a second apart."""
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.to_container(cfg.hydra.sweep, resolve=False)["dir"])
+
+
+def remember_jobs(cfg: Any, exps: list[ExperimentConfig]) -> None:
+    """The pre-run check's experiments of every job (testbed.preflight), for callbacks that
+    prepare the sweep in this process before any job runs (real.ensure_profile)."""
+    _CHECKED.clear()
+    _CHECKED[sweep_key(cfg)] = exps
+
+
+def checked_jobs(cfg: Any) -> list[ExperimentConfig] | None:
+    """The jobs of the sweep ``cfg`` starts, as checked before it started (None: not here)."""
+    return _CHECKED.get(sweep_key(cfg))
 
 
 def already_done(run_dir: Path, exp: ExperimentConfig) -> bool:
@@ -71,8 +95,10 @@ def _state(sweep_dir: Path) -> dict[str, Any]:
 
 def start(sweep_dir: Path, jobs: int) -> None:
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    for d in sweep_dir.iterdir():  # skip markers of an earlier attempt
-        (d / SKIPPED).unlink(missing_ok=True) if d.is_dir() else None
+    for d in sweep_dir.iterdir():  # markers of an earlier attempt
+        if d.is_dir():
+            (d / SKIPPED).unlink(missing_ok=True)
+            (d / FINISHED).unlink(missing_ok=True)
     (sweep_dir / PROGRESS_LAST).unlink(missing_ok=True)
     (sweep_dir / STATE).write_text(json.dumps({"start": time.time(), "jobs": jobs}) + "\n")
 
@@ -82,11 +108,11 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
 
 
 def counts(sweep_dir: Path) -> dict[str, int]:
-    dirs = job_dirs(sweep_dir)
+    """This attempt's jobs: done (skipped ones included), failed, skipped."""
+    dirs = [d for d in job_dirs(sweep_dir) if (d / FINISHED).exists()]
     failed = sum((d / FAILED).exists() for d in dirs)
-    done = sum((d / "summary.json").exists() and not (d / FAILED).exists() for d in dirs)
     skipped = sum((d / SKIPPED).exists() for d in dirs)
-    return {"done": done, "failed": failed, "skipped": skipped}
+    return {"done": len(dirs) - failed, "failed": failed, "skipped": skipped}
 
 
 def progress_line(sweep_dir: Path, c: dict[str, int] | None = None) -> str:
@@ -114,6 +140,7 @@ def job_finished(run_dir: Path, skipped: bool = False) -> None:
 
     if skipped:
         (run_dir / SKIPPED).touch()
+    (run_dir / FINISHED).touch()
     sweep_dir = run_dir.parent
     with FileLock(str(sweep_dir / PROGRESS_LOCK)):
         c = counts(sweep_dir)
@@ -141,23 +168,15 @@ def _write_line(line: str) -> None:
 
 @contextlib.contextmanager
 def real_run_lock(exp: ExperimentConfig, run_dir: Path) -> Iterator[None]:
-    """One real run at a time on this host (unless real.allow_concurrent=true)."""
+    """One real job at a time on this host (unless real.allow_concurrent=true); the ranks of one
+    torchrun job share it (testbed.host_lock)."""
     if exp.backend != "real" or exp.real.allow_concurrent:
         yield
         return
-    from filelock import FileLock
+    from testbed import host_lock
 
-    lock = FileLock(str(REAL_LOCK))
-    try:
-        lock.acquire(timeout=0)
-    except Exception:
-        print(f"{run_dir.name}: waiting for another real run on this host to finish "
-              f"(real.allow_concurrent=true runs them at once)", file=sys.stderr, flush=True)
-        lock.acquire()
-    try:
+    with host_lock.held(run_dir.name):
         yield
-    finally:
-        lock.release()
 
 
 def failures(sweep_dir: Path) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams
 from tests import async_workers as aw
 from tests.conftest import compose_exp
-from tests.processes import live_workers
+from tests.processes import assert_promised_files, live_workers
 from tests.real_models import (
     TINY,
     TWO_TOKEN_PROMPT,
@@ -61,10 +61,12 @@ def _exp(target: Path, draft: Path, *extra: str):  # type: ignore[no-untyped-def
 
 # ----------------------------------------------------------------- two processes, T = 0
 @two_cores
-def test_async_on_two_processes_equals_ar_at_temperature_0(tiny_pair) -> None:  # type: ignore[no-untyped-def]
+def test_async_on_two_processes_equals_ar_at_temperature_0(tiny_pair, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from real.engine import run
 
-    res = run(_exp(*tiny_pair))
+    exp = _exp(*tiny_pair)
+    res = run(exp)
+    assert_promised_files(tmp_path, exp, res)
     spec = [r["output_ids"] for r in res.recorder.requests]
     assert spec == [r["output_ids"] for r in res.baseline.requests]
     assert all(len(o) == 20 for o in spec)

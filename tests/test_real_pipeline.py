@@ -32,7 +32,7 @@ from testbed.spec.sampling import SamplingParams, standardize
 from testbed.theory import expected_tokens
 from tests import pipeline_workers as pw
 from tests.conftest import compose_exp
-from tests.processes import live_workers
+from tests.processes import assert_promised_files, live_workers
 from tests.real_models import TWO_TOKEN_PROMPT, exact_two_token_law, two_token_pair, two_token_tv
 from tests.tiny_checkpoint import write_tiny_checkpoint
 
@@ -65,11 +65,13 @@ def single_process_ar(tiny_pair):  # type: ignore[no-untyped-def]
 # ------------------------------------------------------- N processes, temperature 0
 @pytest.mark.parametrize("nodes", [2, pytest.param(3, marks=pytest.mark.slow), 4])
 def test_decentralized_equals_single_process_ar_at_temperature_0(tiny_pair, single_process_ar,  # type: ignore[no-untyped-def]
-                                                                  nodes: int) -> None:
+                                                                  nodes: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from real.engine import run
 
-    res = run(_exp(*tiny_pair, "schedule=decentralized", f"placement.nodes={nodes}", "schedule.gamma=3",
-                   "network=wan", "network.latency_ms=2", "network.jitter_ms=0.5"))
+    exp = _exp(*tiny_pair, "schedule=decentralized", f"placement.nodes={nodes}", "schedule.gamma=3",
+               "network=wan", "network.latency_ms=2", "network.jitter_ms=0.5")
+    res = run(exp)
+    assert_promised_files(tmp_path, exp, res)
     spec = [r["output_ids"] for r in res.recorder.requests]
     assert spec == single_process_ar
     assert [r["output_ids"] for r in res.baseline.requests] == single_process_ar  # ar on the pipeline

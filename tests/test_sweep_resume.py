@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from testbed.results import write_run
 from tests.conftest import ROOT, compose_exp, run_cli
@@ -56,6 +57,25 @@ def test_interrupted_sweep_resumes_where_it_stopped(tmp_path: Path) -> None:
     assert (sweep / "results.csv").read_text() == (clean / "results.csv").read_text()
 
 
+@pytest.mark.parametrize("removed", [0, 2])
+def test_resume_counts_every_skipped_job(tmp_path: Path, removed: int) -> None:
+    """A re-run into the same hydra.sweep.dir, with the results of ``removed`` of its n jobs
+    deleted, prints one progress line per job and ends with n/n done, n - removed skipped (not
+    the summaries an earlier attempt left counted as done at the first skip)."""
+    sweep, n = tmp_path / "sweep", 4
+    args = ["-m", "schedule.gamma=1,2,3,4", "workload.num_prompts=1", "workload.max_new_tokens=8",
+            "report.per_run=false", f"hydra.sweep.dir={sweep}"]
+    assert run_cli(*args).returncode == 0
+    for d in sorted(finished(sweep))[:removed]:
+        (d / "summary.json").unlink()
+    p = run_cli(*args)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("sweep: ")]
+    assert [ln.split()[1] for ln in lines] == [f"{i}/{n}" for i in range(1, n + 1)], lines
+    assert f"{n - removed} skipped" in lines[-1], lines[-1]
+    assert len(finished(sweep)) == n
+
+
 def test_changed_experiment_is_rerun(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     base = ["-m", "schedule.gamma=1,2", "workload.num_prompts=1", "workload.max_new_tokens=16",
@@ -89,14 +109,35 @@ def test_failing_job_is_reported_and_others_kept(tmp_path: Path) -> None:
     assert (sweep / "0" / "summary.json").exists()
 
 
-def test_real_runs_take_turns_on_one_host(tmp_path: Path) -> None:
-    """A real job waits while another holds the host lock, unless real.allow_concurrent=true."""
+HOLDER = """
+import sys
+from pathlib import Path
+import testbed.host_lock as h
+h.REAL_LOCK = Path(sys.argv[1]); h.STATE = h.REAL_LOCK.with_suffix(".json")
+assert h.try_enter(sys.argv[2])
+print("in", flush=True)
+sys.stdin.read()
+"""
+
+
+def _holder(lock: Path, key: str) -> subprocess.Popen:
+    """Another process that holds the host lock under ``key`` until its stdin closes."""
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock), key], cwd=ROOT,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "in"
+    return p
+
+
+def test_real_runs_take_turns_on_one_host(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A real job waits while another holds the host lock, unless real.allow_concurrent=true;
+    a holder that died no longer holds it."""
     import threading
 
-    from filelock import FileLock
+    from testbed import host_lock
+    from testbed.sweeps import real_run_lock
 
-    from testbed.sweeps import REAL_LOCK, real_run_lock
-
+    monkeypatch.setattr(host_lock, "REAL_LOCK", tmp_path / "real.lock")
+    monkeypatch.setattr(host_lock, "STATE", tmp_path / "real.json")
     exp = compose_exp("backend=real", "real.progress=false")
     entered = threading.Event()
 
@@ -104,19 +145,48 @@ def test_real_runs_take_turns_on_one_host(tmp_path: Path) -> None:
         with real_run_lock(exp, tmp_path):
             entered.set()
 
-    held = FileLock(str(REAL_LOCK))
-    held.acquire()
+    other = _holder(tmp_path / "real.lock", "process elsewhere")
     try:
         t = threading.Thread(target=job)
         t.start()
-        assert not entered.wait(0.5), "a second real run started while the first held the host"
+        assert not entered.wait(1.0), "a second real run started while the first held the host"
         exp.real.allow_concurrent = True
         with real_run_lock(exp, tmp_path):
             pass  # allowed at once
     finally:
-        held.release()
+        other.kill()  # as a crash would: the lock is not released, its holder is gone
+        other.wait(timeout=30)
     t.join(timeout=30)
     assert entered.is_set() and not t.is_alive()
+    assert host_lock.holder_key() is None
+
+
+def test_ranks_of_one_torchrun_job_share_the_host_lock(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every rank of a torchrun job runs the app and takes the lock: the ranks of one job enter
+    together (else they wait on each other until the rendezvous times out), another job waits."""
+    from testbed import host_lock
+
+    monkeypatch.setattr(host_lock, "REAL_LOCK", tmp_path / "real.lock")
+    monkeypatch.setattr(host_lock, "STATE", tmp_path / "real.json")
+    job = {"TORCHELASTIC_RUN_ID": "abc", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+           "WORLD_SIZE": "2"}
+    rank0 = host_lock.job_key({**job, "RANK": "0", "LOCAL_RANK": "0"})
+    rank1 = host_lock.job_key({**job, "RANK": "1", "LOCAL_RANK": "1"})
+    node1 = host_lock.job_key({**job, "RANK": "1", "LOCAL_RANK": "0"})  # --nnodes 2 on one host
+    other_job = host_lock.job_key({**job, "MASTER_PORT": "29501", "RANK": "0", "LOCAL_RANK": "0"})
+    assert rank0 == rank1 == node1 != other_job
+    assert host_lock.job_key({}, pid=1) != host_lock.job_key({}, pid=2)
+    holder = _holder(tmp_path / "real.lock", rank0)
+    try:
+        assert host_lock.try_enter(rank1)  # the other rank of the same job: at once
+        assert not host_lock.try_enter(other_job)
+        host_lock.leave()
+        assert host_lock.holder_key() == rank0  # rank 0 still runs
+    finally:
+        holder.stdin.close()  # type: ignore[union-attr]
+        holder.wait(timeout=30)
+    assert host_lock.try_enter(other_job)
+    host_lock.leave()
 
 
 def _finish_jobs(sweep: str, names: list[str], barrier: object, err_path: str) -> None:
