@@ -836,6 +836,29 @@ int sb_layers(const LayerDims* dims, const LayerPtrs* layers, int n, void* hio, 
 
 long sb_max_tokens() { return kMaxTokens; }
 
+// Sum of p[0, n) read front to back by ``threads`` threads (contiguous shares): the read-bandwidth
+// probe of benchmarks/bench_verify.py (next to torch's sum), independent of the GEMM it judges.
+double sb_read_sum(const float* p, long n, int threads) {
+    double total = 0.0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : total)
+    for (long part = 0; part < threads; ++part) {
+        const long lo = n * part / threads, hi = n * (part + 1) / threads;
+        vf a[4] = {vzero(), vzero(), vzero(), vzero()};
+        long i = lo;
+        for (; i + 4 * VL <= hi; i += 4 * VL) {
+            _mm_prefetch(reinterpret_cast<const char*>(p + i) + kPrefetch, _MM_HINT_T0);
+            for (int u = 0; u < 4; ++u) a[u] = a[u] + vload(p + i + u * VL);
+        }
+        float lanes[VL];
+        vstore(lanes, (a[0] + a[1]) + (a[2] + a[3]));
+        double s = 0.0;
+        for (int j = 0; j < VL; ++j) s += lanes[j];
+        for (; i < hi; ++i) s += p[i];
+        total += s;
+    }
+    return total;
+}
+
 // The core's fp32 FMA peak in GFLOP/s: 2 * VL * 2 FLOPs per FMA over 12 independent chains
 // for ``seconds`` (the compute roof of benchmarks/bench_verify.py, next to torch.matmul's).
 double sb_fma_peak(double seconds) {
@@ -918,6 +941,52 @@ int sb_token_features(const float* x, long n, long token, int k, float* out) {
     for (long j = 0; j < k; ++j) out[j] = j < kk ? float(std::exp(double(cand[j]) - m) / Z) : 0.f;
     out[k] = float(std::log(Z) - S / Z);
     out[k + 1] = float(std::exp(double(x[token]) - m) / Z);
+    return 0;
+}
+
+// The k largest of rows of x [rows, n] with their indices, largest first (ties: the lower index
+// first), for top-k / top-p sampling (testbed.spec.sampling) where torch.topk costs ~0.3 ms per
+// 49k-vocabulary row: the maxima of blocks of 64, then the k largest among the values of the k
+// blocks with the largest maxima (they hold the k largest values). NaN is not expected (logits).
+// n_ge (or null): per row, how many values are >= the k-th largest (> k: a tie at the cut).
+int sb_topk(const float* x, long rows, long n, long k, float* vals, long* idx, long* n_ge) {
+    constexpr long B = 64;
+    if (n <= 0 || k <= 0 || k > n) return 1;
+    const long nb = (n + B - 1) / B;
+    std::vector<float> bmax(nb);
+    std::vector<long> blocks(nb), cand;
+    for (long r = 0; r < rows; ++r) {
+        const float* xr = x + r * n;
+        for (long b = 0; b < nb; ++b) {
+            const long lo = b * B, hi = std::min(n, lo + B);
+            float bm = -INFINITY;
+#pragma omp simd reduction(max : bm)
+            for (long i = lo; i < hi; ++i) bm = xr[i] > bm ? xr[i] : bm;
+            bmax[b] = bm;
+            blocks[b] = b;
+        }
+        const long kb = std::min(k, nb);
+        std::partial_sort(blocks.begin(), blocks.begin() + kb, blocks.end(),
+                          [&](long a, long b) { return bmax[a] > bmax[b] || (bmax[a] == bmax[b] && a < b); });
+        // every value >= the kb-th largest block maximum is a candidate (ties across blocks too):
+        // at least k of them, and each of the k largest is one
+        const float floor_v = bmax[blocks[kb - 1]];
+        cand.clear();
+        for (long b = 0; b < nb; ++b) {
+            if (bmax[b] < floor_v) continue;
+            for (long i = b * B; i < std::min(n, (b + 1) * B); ++i) cand.push_back(i);
+        }
+        std::partial_sort(cand.begin(), cand.begin() + k, cand.end(),
+                          [&](long a, long b) { return xr[a] > xr[b] || (xr[a] == xr[b] && a < b); });
+        for (long j = 0; j < k; ++j) {
+            idx[r * k + j] = cand[j];
+            vals[r * k + j] = xr[cand[j]];
+        }
+        if (n_ge) {  // values >= the k-th: k unless it ties with one left out (all are candidates)
+            const float kth = xr[cand[k - 1]];
+            n_ge[r] = static_cast<long>(std::count_if(cand.begin(), cand.end(), [&](long i) { return xr[i] >= kth; }));
+        }
+    }
     return 0;
 }
 

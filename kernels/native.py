@@ -133,6 +133,8 @@ def _load() -> ctypes.CDLL | None:
         "sb_max_tokens": ([], i64),
         "sb_fma_peak": ([ctypes.c_double], ctypes.c_double),
         "sb_has_avx512": ([], i32),
+        "sb_read_sum": ([ptr, i64, i32], ctypes.c_double),
+        "sb_topk": ([ptr, i64, i64, i64, ptr, ptr, ptr], i32),
     }
     for name, (args, res) in signatures.items():
         fn = getattr(lib, name)
@@ -193,6 +195,22 @@ def token_features(logits: Tensor, token: int, k: int) -> list[float] | None:
     if _LIB.sb_token_features(x.data_ptr(), x.numel(), token, k, out):
         return None
     return list(out)
+
+
+def topk(x: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``torch.topk(x, k, dim=-1)`` (sorted; among equal values the lower index first) for CPU
+    fp32 rows, and per row how many values are >= the k-th (k unless it ties with one left out);
+    ~3x faster than torch.topk on a 49k vocabulary; None where it does not apply."""
+    if _LIB is None or x.device.type != "cpu" or x.dtype != torch.float32 or not 0 < k <= x.shape[-1]:
+        return None
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    vals = torch.empty(rows.shape[0], k)
+    idx = torch.empty(rows.shape[0], k, dtype=torch.long)
+    n_ge = torch.empty(rows.shape[0], dtype=torch.long)
+    if _LIB.sb_topk(rows.data_ptr(), rows.shape[0], rows.shape[1], k, vals.data_ptr(), idx.data_ptr(),
+                    n_ge.data_ptr()):
+        return None
+    return vals.view(*x.shape[:-1], k), idx.view(*x.shape[:-1], k), n_ge.view(x.shape[:-1])
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:

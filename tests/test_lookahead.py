@@ -300,17 +300,19 @@ def test_draft_token_features_equal_the_softmax_definitions(vocab: int, path: st
         if trial % 4 == 1:
             x[torch.randint(vocab, (4,), generator=gen)] = x.max() + 1.0  # tied top values
         token = int(torch.randint(vocab, (1,), generator=gen))
-        logp = torch.log_softmax(x, dim=-1)
+        # the definitions in float64: torch's float32 softmax is itself off by ~1e-5 on AVX2 hosts
+        logp = torch.log_softmax(x.double(), dim=-1)
         p = logp.exp()
         top = torch.topk(p, min(TOP_K, vocab)).values.tolist()
         want = [*top, *[0.0] * (TOP_K - len(top)), float(-(p * logp).nan_to_num().sum()), float(p[token])]
         got = draft_token_features(x, token)
         assert len(got) == FEATURES
-        np.testing.assert_allclose(got[:ENTROPY], want[:ENTROPY], rtol=1e-5, atol=1e-7)
+        # float32 sums over the vocabulary: torch's softmax is 1.1e-5 off at 49k on an AVX2 host
+        np.testing.assert_allclose(got[:ENTROPY], want[:ENTROPY], rtol=3e-5, atol=1e-7)
         assert got[ENTROPY] == pytest.approx(want[ENTROPY], rel=1e-4, abs=1e-5)
-        assert got[CHOSEN] == pytest.approx(want[CHOSEN], rel=1e-5, abs=1e-8)
+        assert got[CHOSEN] == pytest.approx(want[CHOSEN], rel=3e-5, abs=1e-8)
         chosen = draft_token_features(x, token, chosen_only=True)
-        assert chosen[CHOSEN] == pytest.approx(want[CHOSEN], rel=1e-5, abs=1e-8)
+        assert chosen[CHOSEN] == pytest.approx(want[CHOSEN], rel=3e-5, abs=1e-8)
     if path == "native":
         assert calls == [True] * 24  # (the kernel answered: no silent fallback to PyTorch)
 
