@@ -156,3 +156,17 @@ def test_heatmap_colour_bar_label_is_inside_the_figure(tmp_path: Path, monkeypat
         box = text.get_window_extent(renderer)
         assert box.x0 >= 0 and box.x1 <= fig.bbox.width, f"{text.get_text()!r} cut off: {box}"
     assert not clipped_figures(tmp_path / "r")
+
+
+def test_a_figure_with_text_past_its_edge_counts_as_clipped(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for name, x in (("inside.png", 0.5), ("cut.png", 0.97)):
+        fig = plt.figure(figsize=(3, 2))
+        fig.text(x, 0.5, "a colour-bar label", ha="center")
+        fig.savefig(tmp_path / name, dpi=100)
+        plt.close(fig)
+    assert [c.split(":")[0] for c in clipped_figures(tmp_path)] == ["cut.png"]
