@@ -8,7 +8,7 @@ import html
 import re
 from pathlib import Path
 
-EDGE_PX = 1  # drawn pixels this close to the canvas edge: something was cut there
+EDGE_PX = 3  # drawn pixels this close to the canvas edge: something was cut there (layouts leave ~10)
 BACKGROUND_TOLERANCE = 30  # summed |RGB| difference from the corner pixel that counts as drawn
 
 

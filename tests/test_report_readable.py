@@ -166,7 +166,7 @@ def test_a_figure_with_text_past_its_edge_counts_as_clipped(tmp_path: Path) -> N
 
     for name, x in (("inside.png", 0.5), ("cut.png", 0.97)):
         fig = plt.figure(figsize=(3, 2))
-        fig.text(x, 0.5, "a colour-bar label", ha="center")
+        fig.text(x, 0.5, "MWMWMWMWMW", ha="center", fontsize=14)
         fig.savefig(tmp_path / name, dpi=100)
         plt.close(fig)
     assert [c.split(":")[0] for c in clipped_figures(tmp_path)] == ["cut.png"]

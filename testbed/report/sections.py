@@ -103,7 +103,10 @@ def throughput(ctx: ReportContext) -> str:
     # baseline of the same run as a grey tick on its bar
     df["run"] = [run_label(r, keys) for _, r in df.iterrows()]
     df = df.iloc[::-1]
-    fig, ax = plt.subplots(figsize=(7, max(2.4, 1.2 + 0.3 * len(df))))
+    # as wide as the longest label needs (8 pt: ~0.07 in a character) beside a 4.5 in plot,
+    # so that the title centred over the plot stays inside the figure
+    width = max(7.0, 4.5 + 0.07 * max(map(len, df["run"])))
+    fig, ax = plt.subplots(figsize=(width, max(2.4, 1.2 + 0.3 * len(df))))
     colors = [SCHEDULE_COLORS.get(str(s), "#0072B2") for s in df["schedule"]]
     ax.barh(range(len(df)), df["tokens_per_s"], color=colors, height=0.7)
     base = pd.to_numeric(df.get("ar_tokens_per_s"), errors="coerce")
