@@ -203,7 +203,7 @@ def _link(exp: ExperimentConfig, u: str, v: str, same_machine: bool) -> LinkSpec
         model = LinkModel(name, hw.nvlink_latency_us * 1e-6, bandwidth_Bps(hw.nvlink_gbps), 0.0)
     else:
         net = exp.network
-        model = LinkModel(name, net.latency_ms * 1e-3, bandwidth_Bps(net.bandwidth_gbps),
+        model = LinkModel(name, net.latency_ms * 1e-3, bandwidth_Bps(net.bandwidth_gbit_s / 8),
                           net.jitter_ms * 1e-3)
     return LinkSpec(name, u, v, model, emulated=not same_machine)
 
