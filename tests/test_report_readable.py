@@ -101,6 +101,7 @@ def _captured_figures(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """The figures the report sections save, by file name, kept open for inspection."""
     import testbed.report.sections as sections
     import testbed.report.sections_sim as sections_sim
+    import testbed.report.sections_split as sections_split
     from testbed.report import style
 
     figs: dict[str, Any] = {}
@@ -110,9 +111,33 @@ def _captured_figures(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         figs[Path(path).name] = fig
         fig.savefig(path, dpi=100)
 
-    for mod in (style, sections, sections_sim):
+    for mod in (style, sections, sections_sim, sections_split):
         monkeypatch.setattr(mod, "savefig", keep)
     return figs
+
+
+def legends_inside_axes(fig: Any) -> list[str]:
+    """Titles of the axes whose legend overlaps the plotting area (it may cover a bar)."""
+    renderer = fig.canvas.get_renderer()
+    return [ax.get_title() for ax in fig.axes if ax.get_legend() is not None
+            and ax.get_legend().get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))]
+
+
+def test_bar_chart_legends_cover_no_bar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measured GPU split's bars and the throughput bars (with the `ar` baseline ticks)."""
+    from testbed.report.sections_split import _plot
+
+    figs = _captured_figures(monkeypatch)
+    pairs = pd.DataFrame({"pair": "p", "hardware": "local", "workload": "humaneval", "temperature": 0.0,
+                          "split": ["t1", "sync", "ar"], "target_gpus": [1, 2, 2], "draft_gpus": [1, 2, 0],
+                          "predicted_tokens_per_s": [10.0, 12.0, 8.0], "measured_tokens_per_s": [11.0, 12.5, 8.5],
+                          "best_predicted": [False, True, False], "best_measured": [False, True, False]})
+    _plot(pairs, str(tmp_path / "gpu_split_measured.png"))
+    runs = _sim_runs(tmp_path, ("schedule=sync",), ("schedule=async",))
+    build_report([runs], tmp_path / "r")
+    for name in ("gpu_split_measured.png", "throughput.png"):
+        assert not legends_inside_axes(figs[name]), name
+    assert not clipped_figures(tmp_path) and not clipped_figures(tmp_path / "r")
 
 
 def test_gantt_legend_covers_no_bar_and_devices_are_cores_on_local(tmp_path: Path,

@@ -112,7 +112,7 @@ def throughput(ctx: ReportContext) -> str:
     base = pd.to_numeric(df.get("ar_tokens_per_s"), errors="coerce")
     if base is not None and base.notna().any():
         ax.scatter(base, range(len(df)), marker="|", s=200, color="black", zorder=3, label="ar baseline")
-        ax.legend(loc="lower right", fontsize=8)
+        legend_outside(ax, fontsize=8)
     ax.set_yticks(range(len(df)), df["run"], fontsize=8)
     ax.set_xlim(left=0)
     ax.set_xlabel("decode tokens/s (prefill excluded)")
