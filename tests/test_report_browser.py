@@ -21,7 +21,7 @@ from sim.engine import run
 from testbed.report import build_report
 from testbed.results import write_run
 from tests.conftest import compose_exp
-from tests.report_checks import clipped_figures
+from tests.report_checks import clipped_figures, write_prompts_run
 
 MAX_ASPECT = 4.0
 MAX_WIDTH_PX = 1600
@@ -59,6 +59,15 @@ def wide_run(sweep: Path) -> None:
     write_run(sweep / "wide", exp, run(exp))
 
 
+def validation_runs(sweep: Path) -> None:
+    """A measured tree run, its trace source and its prediction: the validation sections (their
+    error tables and the transfer between prompt splits, whose header holds pipes)."""
+    tree = "schedule=sync schedule.tree=true"
+    write_prompts_run(sweep / "val_trace", "real", "trace", tree, [3, 2, 1])
+    write_prompts_run(sweep / "val_test", "real", "test", tree, [1, 2, 2])
+    write_prompts_run(sweep / "val_pred", "sim", "test", tree, [3, 2, 1])
+
+
 def sweep_report(tmp: Path) -> Path:
     small = ("workload.num_prompts=2", "workload.max_new_tokens=48")
     jobs = {f"split_{s}": (f"+split={s}",) for s in ("t2", "t4", "t6", "sync", "sync_tree")}
@@ -70,6 +79,7 @@ def sweep_report(tmp: Path) -> Path:
         exp = compose_exp(*overrides, *small)
         write_run(sweep / str(i), exp, run(exp))
     wide_run(sweep)
+    validation_runs(sweep)
     return build_report([sweep], sweep)
 
 

@@ -14,26 +14,7 @@ from testbed.recorder import RunRecorder, RunResult
 from testbed.report import build_report, markdown_table, to_html
 from testbed.results import write_run
 from tests.conftest import compose_exp
-from tests.report_checks import clipped_figures, raw_markdown_lines, visible_text
-
-
-def write_prompts_run(path: Path, backend: str, split: str, schedule: str, accepted: list[int],
-                      round_s: float = 0.01) -> None:
-    """A run of one request per entry of `accepted` (40 tokens each, every round keeping that
-    many guesses, `round_s` per round); `schedule`: the schedule's overrides."""
-    exp = compose_exp(f"backend={backend}", "pair=smollm2_135m+ngram3", "hardware=local",
-                      "workload=humaneval", f"workload.split={split}", *schedule.split())
-    rec = RunRecorder()
-    for rid, acc in enumerate(accepted):
-        generated, r = 0, 0
-        while generated < 40:
-            e = min(acc + 1, 40 - generated)
-            rec.round(request_id=rid, round_idx=r, start_s=r * round_s, end_s=(r + 1) * round_s,
-                      drafted=4, checked=acc + 1, accepted=acc, emitted=e, verified_tokens=5)
-            generated += e
-            r += 1
-        rec.request(rid, f"HumanEval/{rid}", 100, [], 40, 0.1, r * round_s, r)
-    write_run(path, exp, RunResult(recorder=rec))
+from tests.report_checks import clipped_figures, raw_markdown_lines, visible_text, write_prompts_run
 
 
 def test_a_header_with_pipes_stays_a_table() -> None:
