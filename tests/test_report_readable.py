@@ -176,3 +176,14 @@ def test_a_figure_with_text_past_its_edge_counts_as_clipped(tmp_path: Path) -> N
         fig.savefig(tmp_path / name, dpi=100)
         plt.close(fig)
     assert [c.split(":")[0] for c in clipped_figures(tmp_path)] == ["cut.png"]
+
+
+def test_gamma_figure_legend_names_the_hue_for_a_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`+sweep=gamma` varies α beside γ: the legend reads "α (set)", not `alpha_config`."""
+    figs = _captured_figures(monkeypatch)
+    runs = _sim_runs(tmp_path, *(("sim.cost_model=analytic", f"schedule.gamma={g}", f"acceptance.alpha={a}")
+                                 for g in (1, 3) for a in (0.6, 0.8)))
+    build_report([runs], tmp_path / "r")
+    titles = {ax.get_legend().get_title().get_text() for ax in figs["throughput_vs_gamma.png"].axes
+              if ax.get_legend() is not None}
+    assert titles == {"α (set)"}
