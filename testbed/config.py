@@ -157,7 +157,7 @@ class NetworkConfig:
     latency_ms: float = doc(0.0, "one-way latency of a link between nodes", "ms")
     bandwidth_gbit_s: float = doc(0.0, "bandwidth of a link between nodes; 0 = unlimited",
                                   "Gbit/s (gigabits per second: 1 for a 1 Gb/s link)")
-    jitter_ms: float = doc(0.0, "random extra delay per message on a link (uniform, 0 up to this)", "ms")
+    jitter_ms: float = doc(0.0, "random extra delay per message on a link (exponential, this mean)", "ms")
 
 
 @dataclass
@@ -233,7 +233,7 @@ class ReportConfig:
 @dataclass
 class ExperimentConfig:
     backend: str = doc("sim", "simulate (sim) or execute on this machine (real)")
-    seed: int = doc(0, "random seed of prompts, sampling and simulation")
+    seed: int = doc(0, "random seed of the run (sampling, simulated acceptance and timing)")
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     pair: PairConfig = field(default_factory=PairConfig)
