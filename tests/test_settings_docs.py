@@ -86,3 +86,18 @@ def test_the_readme_settings_table_names_documented_settings_only() -> None:
     assert keys, "no settings found in the README's table"
     docs = setting_docs()
     assert sorted(k for k in keys if k not in docs) == []
+
+
+def test_the_rename_keeps_finished_sweep_jobs_done() -> None:
+    """A job's hash is what it was under network.bandwidth_gbps (GB/s): resuming a sweep finished
+    before the rename skips its jobs instead of running them all again."""
+    import hashlib
+    import json
+
+    from testbed.unused_settings import experiment_hash, normalized
+
+    exp = compose_exp("schedule=decentralized", "network=wan", "placement.nodes=2")
+    old = as_dict(normalized(exp))
+    old["network"] = {"name": "wan", "latency_ms": 20.0, "bandwidth_gbps": 0.125, "jitter_ms": 2.0}
+    blob = json.dumps(old, sort_keys=True, default=str)
+    assert experiment_hash(exp) == hashlib.sha256(blob.encode()).hexdigest()[:16]
