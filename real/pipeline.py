@@ -260,6 +260,6 @@ def summary_fields(exp: Any) -> dict[str, Any]:
 
     net, n = exp.network, exp.placement.nodes
     return {"latency_ms": net.latency_ms, "jitter_ms": net.jitter_ms,
-            "bandwidth_gbps": net.bandwidth_gbps, "network": net.name,
+            "bandwidth_gbit_s": net.bandwidth_gbit_s, "network": net.name,
             "links_per_round_trip": n if n > 1 else 0,
             "stage_layers": "/".join(str(hi - lo) for lo, hi in split_layers(exp.pair.target.layers, n))}

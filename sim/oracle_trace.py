@@ -48,8 +48,16 @@ from testbed.spec.lookahead import FEATURES, Decision, LookaheadPolicy
 from testbed.spec.speculative import accepted_prefix
 from testbed.workloads import TRACE_SOURCE
 
-HOWTO = ("record one with `python -m testbed backend=real schedule=sync workload.split=calibrate` "
-         "(or run `python -m testbed +sweep=validate`)")
+
+def howto(exp: ExperimentConfig) -> str:
+    """How to record the trace this experiment asks for: a real run of the same pair, workload,
+    temperature and schedule kind (a command that recorded another pair would not be found)."""
+    kind = ("schedule=sync schedule.tree=true" if exp.schedule.tree else
+            "schedule=decentralized" if exp.schedule.name == "decentralized" else "schedule=sync")
+    temp = f" sampling.temperature={exp.sampling.temperature:g}" if exp.sampling.temperature else ""
+    return (f"record one with `python -m testbed backend=real {kind} pair={exp.pair.name} "
+            f"workload={exp.workload.name}{temp} workload.split=calibrate` "
+            "(or run `python -m testbed +sweep=validate`)")
 
 
 @dataclass
@@ -123,7 +131,7 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
             raise ConfigError("acceptance.trace_path", str(path), "a run directory or its rounds.parquet")
         path = path.parent
     if not path.exists():
-        raise ConfigError("acceptance.trace_path", str(path), f"an existing directory; {HOWTO}")
+        raise ConfigError("acceptance.trace_path", str(path), f"an existing directory; {howto(exp)}")
     # `ar` (a baseline) replays nothing: the rounds of either kind do
     wanted = {"sync_tree"} if exp.schedule.tree else {"sync"} if exp.schedule.name == "sync" else {"sync", "sync_tree"}
     if exp.schedule.name == "decentralized":  # DSD replays DSD: its rounds hold the adaptive rule's outcomes
@@ -205,14 +213,14 @@ def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
     with_features = exp.lookahead.policy in ("confidence", "disco") and exp.schedule.name != "ar"
     raw = exp.acceptance.trace_path
     if not raw:
-        raise ConfigError("acceptance.trace_path", raw, f"a real run directory (acceptance=trace replays one); {HOWTO}")
+        raise ConfigError("acceptance.trace_path", raw, f"a real run directory (acceptance=trace replays one); {howto(exp)}")
     path = Path(raw).expanduser()
     runs = select_trace_runs(path, exp)
     if not runs:
         raise ConfigError("acceptance.trace_path", raw,
                           f"a directory with a recorded {'sync_tree' if exp.schedule.tree else 'sync'} run of pair={exp.pair.name} "
                           f"workload={exp.workload.name} temperature={exp.sampling.temperature} "
-                          f"(none found); {HOWTO}")
+                          f"(none found); {howto(exp)}")
     traces: list[RequestTrace] = []
     for run_dir, summary in runs:
         try:
@@ -220,14 +228,14 @@ def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
         except Exception as e:  # pyarrow raises several kinds for a damaged file
             raise ConfigError("acceptance.trace_path", raw, f"run directories with readable traces: "
                               f"{run_dir / 'rounds.parquet'} is not a readable parquet file "
-                              f"({str(e).splitlines()[0][:100]}); re-record it") from None
+                              f"({' '.join(str(e).split())}); re-record it") from None
         gamma = int(summary.get("gamma", 0))
         draft_rows = _draft_rows(run_dir, raw)
         feature_rows = rounds["draft_features"] if "draft_features" in rounds.columns else None
         if with_features and feature_rows is None:
             raise ConfigError("acceptance.trace_path", raw, f"a trace with per-token draft features for "
                               f"lookahead={exp.lookahead.policy} ({run_dir} has none: real runs record them on "
-                              f"workload.split=trace or calibrate, or with a policy that reads them); {HOWTO}")
+                              f"workload.split=trace or calibrate, or with a policy that reads them); {howto(exp)}")
         for _, g in rounds.sort_values(["request_id", "round"]).groupby("request_id", sort=True):
             recs = list(zip(g["drafted"].astype(int), g["accepted"].astype(int)))
             feats = None
@@ -237,7 +245,7 @@ def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
             if recs:
                 traces.append(RequestTrace(recs, gamma, feats, draft_rows))
     if not traces:
-        raise ConfigError("acceptance.trace_path", raw, f"a run with recorded rounds (its rounds.parquet is empty); {HOWTO}")
+        raise ConfigError("acceptance.trace_path", raw, f"a run with recorded rounds (its rounds.parquet is empty); {howto(exp)}")
     return traces
 
 

@@ -100,7 +100,7 @@ class Pipeline:
         """Network facts of the run, for summary.json."""
         net = self.ctx.exp.network
         return {"latency_ms": net.latency_ms, "jitter_ms": net.jitter_ms,
-                "bandwidth_gbps": net.bandwidth_gbps, "network": net.name,
+                "bandwidth_gbit_s": net.bandwidth_gbit_s, "network": net.name,
                 "links_per_round_trip": self.links_per_round_trip,
                 "stage_layers": "/".join(str(hi - lo) for lo, hi in self.layers)}
 

@@ -9,7 +9,7 @@ layer range for a pipeline stage). Directed edges carry a ``Link`` (sim.links) i
 
 - groups on the same machine talk over NVLink (``hardware.nvlink_latency_us``, ``nvlink_gbps``);
 - groups on different machines over the network of ``network=`` (``latency_ms``,
-  ``bandwidth_gbps`` with 0 = unlimited, ``jitter_ms``).
+  ``bandwidth_gbit_s``, gigabits per second, with 0 = unlimited, ``jitter_ms``).
 
 Layouts (``testbed.placement.layout``):
 

@@ -19,6 +19,12 @@ def main() -> None:
     from testbed.preflight import normalize_args
 
     args = normalize_args(sys.argv[1:])
+    from testbed.config_docs import renamed_setting
+
+    renamed = renamed_setting(args)
+    if renamed:
+        print(f"error: {renamed}", file=sys.stderr)
+        raise SystemExit(2)
     if any(a in ("--help", "-h") for a in args):
         from testbed.cli_help import print_help
 

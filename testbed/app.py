@@ -47,9 +47,14 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     n_t, n_d = summary["target_gpus"], summary["draft_gpus"]
     shape = summary.get("tree_shape")  # a tree has no γ: its shape is what was set
     setting = f"tree {shape}" if shape else f"γ={summary['gamma']}"
+    nodes = int(summary.get("nodes") or 1)
+    # a pipeline over nodes (decentralized): how many, each stage's devices, and its links
+    stages = f"{nodes} nodes × " if nodes > 1 else ""
+    links = (f", {float(summary.get('latency_ms') or 0):g} ms links"
+             if nodes > 1 and summary.get("latency_ms") is not None else "")
     t = Table(title=f"{summary['backend']} · {summary['schedule']} · {summary['pair']} · "
-                    f"{summary['hardware']} (target {n_t} {unit}{'s' if n_t != 1 else ''}, "
-                    f"draft {n_d}, {setting})")
+                    f"{summary['hardware']} ({stages}target {n_t} {unit}{'s' if n_t != 1 else ''}, "
+                    f"draft {n_d}, {setting}{links})")
     for col in ("tokens/s", "TPOT ms", "speedup vs ar", "α",
                 "tokens/verification" if shape else "mean accepted len", "prefill s"):
         t.add_column(col, justify="right")

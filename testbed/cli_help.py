@@ -2,6 +2,8 @@
 
 Read from conf/ and the schema dataclasses only (no Hydra composition), so it is instant.
 Pairs are listed as the rule (TARGET+DRAFT of model presets), not as their 256 combinations.
+Each setting's meaning and unit are the config dataclasses' own field docs (testbed.config.doc),
+the same text validation errors quote.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 from testbed.config import ExperimentConfig
+from testbed.config_docs import setting_doc
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUP_NOTES = {
@@ -24,7 +27,10 @@ GROUP_NOTES = {
     "workload": "prompt set",
     "lookahead": "draft tokens per round",
     "sweep": "a multirun with its comparison report (+sweep=NAME)",
+    "tp": "tensor parallelism of both models, one sweep axis (+tp=NAME)",
 }
+FLAGS = {"calibrate": "+calibrate"}  # schema keys given as a flag on the command line
+WIDTH = 100
 HIDDEN_GROUPS = ("model", "split", "validate")  # parts of pairs and sweeps
 
 
@@ -33,7 +39,8 @@ def _options(group: str) -> list[str]:
 
 
 def _settings() -> dict[str, list[tuple[str, str, str]]]:
-    """section -> [(key, type, default)] from the schema and its defaults."""
+    """section -> [(key, type, default)] from the schema and its defaults (a flag: its
+    command-line spelling, type `flag`, default `off`)."""
     out: dict[str, list[tuple[str, str, str]]] = {}
 
     def walk(obj: object, prefix: str, section: str) -> None:
@@ -44,6 +51,8 @@ def _settings() -> dict[str, list[tuple[str, str, str]]]:
                 if key in ("pair", "hardware"):
                     continue  # chosen as presets (pair=, hardware=), keys listed in conf/
                 walk(value, key + ".", section or f.name)
+            elif key in FLAGS:
+                out.setdefault(section or "general", []).append((key, "flag", "on" if value else "off"))
             else:
                 t = type(value).__name__ if value is not None else "str"
                 out.setdefault(section or "general", []).append((key, t, repr(value) if isinstance(value, str) else str(value)))
@@ -68,14 +77,16 @@ def help_text() -> str:
         if not body:  # a folder of sub-groups or other files only: nothing to choose by name
             continue
         prefix = f"  {d.name:<11}"
-        wrapped = textwrap.wrap(body, width=98 - len(prefix), break_on_hyphens=False)
-        lines.append(f"{prefix}{wrapped[0]}" + (f"   ({note})" if note and len(wrapped) == 1 else ""))
-        lines += [" " * len(prefix) + w for w in wrapped[1:]]
-    lines += ["", "Settings (KEY=VALUE; type, default):"]
+        lines.append(f"{prefix}{note}")  # what the group chooses, then its options
+        wrapped = textwrap.wrap(body, width=WIDTH - len(prefix), break_on_hyphens=False)
+        lines += [" " * len(prefix) + w for w in wrapped]
+    lines += ["", "Settings (KEY=VALUE; type, default; what it means [unit]):"]
     for section, items in _settings().items():
         lines.append(f"  {section}:")
         for key, t, default in items:
-            lines.append(f"    {key:<30} {t:<6} {default}")
+            lines.append(f"    {FLAGS.get(key, key):<30} {t:<6} {default}")
+            lines += textwrap.wrap(setting_doc(key), width=WIDTH, initial_indent=" " * 8,
+                                   subsequent_indent=" " * 8, break_on_hyphens=False)
     lines += ["", "Sweeps: -m KEY=a,b (cartesian product); hydra/launcher=joblib runs jobs on every core",
               "(backend=sim); hydra/launcher=submitit_local|submitit_slurm for clusters. Re-running a",
               "sweep with the same hydra.sweep.dir=DIR skips its finished jobs.",

@@ -26,37 +26,56 @@ MLPS = ("swiglu", "gelu")  # gelu: GPTBigCode/StarCoder, 2 matrices instead of 3
 QUANTS = ("fp32", "bf16", "fp16", "int8", "int4_awq", "q4_1")
 
 
+SHORT_ALLOWED = 60  # characters: an `allowed` this short gets the setting's meaning beside it
+
+
 class ConfigError(ValueError):
-    """A bad configuration value: names the key, the value and what is allowed."""
+    """A bad configuration value: names the key, the value and what is allowed (and, for a
+    setting of the schema, what the setting means and its unit: ``setting_doc``)."""
 
     def __init__(self, key: str, value: Any, allowed: str) -> None:
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"{key}={value!r} is not allowed: {allowed}")
+        from testbed.config_docs import setting_doc
+
+        meaning = setting_doc(key)
+        # a range or type ("an integer in [1, 64]") says nothing of what the setting is for;
+        # a longer explanation already does
+        about = f" ({key}: {meaning})" if meaning and len(allowed) <= SHORT_ALLOWED else ""
+        super().__init__(f"{key}={value!r} is not allowed: {allowed}{about}")
+
+
+def doc(default: Any, text: str, unit: str = "") -> Any:
+    """A setting's default with what it means and its unit: the one source of ``--help``
+    (testbed/cli_help.py), the validation messages (ConfigError) and the README's settings
+    (testbed/config_docs.py reads them)."""
+    return field(default=default, metadata={"doc": text, "unit": unit})
 
 
 @dataclass
 class ScheduleConfig:
-    name: str = "sync"
-    gamma: int = 4  # draft tokens per round (sync, decentralized); also the lookahead cap
-    tree: bool = False  # sync with a token tree: the serial tree baseline (SwiftSpec-base)
-    tree_width: int = 8  # w: leaves expanded per draft forward (SwiftSpec)
-    tree_budget: int = 8  # bs: tree nodes sent to the target per verification (SwiftSpec)
-    tree_depth: int = 0  # d: draft expansions per round; 0 = from modelled t_target/t_draft
-    adaptive: bool = False  # DSD adaptive (relaxed) verification
-    tau: float = 0.0  # DSD relaxation of non-key tokens; 0 = exactly lossless
-    lambda1: float = 1.5  # DSD key token: H_draft / H_target > lambda1
-    lambda2: float = 0.3  # DSD key token: |P_t(y) - P_d(y)| > lambda2
-    lambda3: float = 0.5  # DSD key token: NormMatch(top-k overlap) < lambda3
+    name: str = doc("sync", "decoding schedule (also chosen as schedule=NAME)")
+    gamma: int = doc(4, "draft tokens per round (sync, decentralized); also the lookahead cap", "tokens")
+    tree: bool = doc(False, "sync with a token tree: the serial tree baseline (SwiftSpec-base)")
+    tree_width: int = doc(8, "w: leaves expanded per draft forward (SwiftSpec)", "nodes")
+    tree_budget: int = doc(8, "bs: tree nodes sent to the target per verification (SwiftSpec)", "nodes")
+    tree_depth: int = doc(0, "d: draft expansions per round; 0 = from modelled t_target/t_draft", "expansions")
+    adaptive: bool = doc(False, "DSD adaptive (relaxed) verification")
+    tau: float = doc(0.0, "DSD relaxation of non-key tokens; 0 = exactly lossless")
+    lambda1: float = doc(1.5, "DSD key token: H_draft / H_target > lambda1 (entropy ratio)")
+    lambda2: float = doc(0.3, "DSD key token: |P_t(y) - P_d(y)| > lambda2 (probability gap)")
+    lambda3: float = doc(0.5, "DSD key token: NormMatch(top-k overlap) < lambda3")
     # decentralized at temperature > 0: the draft samples from its top-k so its distributions
     # travel exactly as k (value, index) pairs per guess; 0 = full rows (real/schedules/decentralized.py)
-    draft_topk: int = 64
+    draft_topk: int = doc(64, "decentralized, temperature > 0: the draft's distribution travels as "
+                          "its top k (value, index) pairs; 0 = full rows", "tokens")
 
 
 @dataclass
 class LookaheadConfig:
-    policy: str = "static"
-    threshold: float | None = None  # confidence: 0.4; disco: the classifier file's tuned one
-    path: str | None = None  # disco: the classifier file (python -m real.train_disco)
+    policy: str = doc("static", "how many tokens to draft each round (also chosen as lookahead=NAME)")
+    threshold: float | None = doc(None, "stop drafting below this score (confidence: draft probability, "
+                                  "default 0.4; disco: the classifier file's tuned one)")
+    path: str | None = doc(None, "disco: the classifier file (python -m real.train_disco)")
 
 
 @dataclass
@@ -125,85 +144,96 @@ class HardwareConfig:
 
 @dataclass
 class PlacementConfig:
-    target_gpus: int = 8
-    draft_gpus: int = 8  # sync: may share the target's GPUs; async: disjoint from them
-    nodes: int = 1  # decentralized: pipeline stages / nodes
+    target_gpus: int = doc(8, "the target's devices (tensor parallel; per stage with nodes > 1)",
+                           "GPUs; cores on hardware=local with real.device=cpu")
+    draft_gpus: int = doc(8, "the draft's devices; sync: may share the target's, async: disjoint "
+                          "from them", "GPUs; cores on hardware=local with real.device=cpu")
+    nodes: int = doc(1, "decentralized: pipeline stages, one node each", "nodes")
 
 
 @dataclass
 class NetworkConfig:
-    name: str = "nvlink"
-    latency_ms: float = 0.0
-    bandwidth_gbps: float = 0.0  # GB/s; 0 = infinite
-    jitter_ms: float = 0.0
+    name: str = doc("nvlink", "the network between nodes (also chosen as network=NAME)")
+    latency_ms: float = doc(0.0, "one-way latency of a link between nodes", "ms")
+    bandwidth_gbit_s: float = doc(0.0, "bandwidth of a link between nodes; 0 = unlimited",
+                                  "Gbit/s (gigabits per second: 1 for a 1 Gb/s link)")
+    jitter_ms: float = doc(0.0, "random extra delay per message on a link (exponential, this mean)", "ms")
 
 
 @dataclass
 class AcceptanceConfig:
-    oracle: str = "iid"
-    alpha: float = 0.8
-    vocab: int = 512  # synthetic oracle vocabulary
-    trace_path: str | None = None
+    oracle: str = doc("iid", "where simulated acceptance comes from (also chosen as acceptance=NAME)")
+    alpha: float = doc(0.8, "iid/synthetic: probability that the target accepts a draft token",
+                       "probability, 0-1")
+    vocab: int = doc(512, "synthetic: vocabulary of the procedural language model", "tokens")
+    trace_path: str | None = doc(None, "trace: a real run directory (or its rounds.parquet, or a "
+                                 "directory of runs) whose recorded rounds are replayed")
 
 
 @dataclass
 class SimConfig:
-    cost_model: str = "roofline"
-    c: float = 0.05  # analytic: draft forward / target forward
-    t_target_ms: float = 25.0  # analytic: one target forward (all stages together)
-    profile_path: str | None = None  # profile: latency tables written by +calibrate
-    profile_rescale: bool = False  # profile + acceptance=trace: scale to the trace runs' round times
+    cost_model: str = doc("roofline", "how forward times are modelled: analytic | roofline | profile")
+    c: float = doc(0.05, "analytic: draft forward time / target forward time", "ratio")
+    t_target_ms: float = doc(25.0, "analytic: one target forward (all stages together)", "ms")
+    profile_path: str | None = doc(None, "profile: latency tables written by +calibrate (default: "
+                                   "this machine's)")
+    profile_rescale: bool = doc(False, "profile + acceptance=trace: scale to the trace runs' round times")
     # profile: the machine's drift, without a run of the configuration: `forward` scales each
     # model's times by its probe forward now / in the profile (real/probe_forward.py), `probe`
     # all times by the profile's bandwidth probe / the probe now (testbed/machine.py)
-    profile_drift: str = "none"  # none | forward | probe | run_probe
-    prediction_resamples: int = 0  # acceptance=trace: > 0 adds 95% prediction intervals (bootstrap)
+    profile_drift: str = doc("none", "profile: correct for the machine's drift since calibration: "
+                             "none | forward | probe | run_probe")
+    prediction_resamples: int = doc(0, "acceptance=trace: > 0 adds 95 % prediction intervals "
+                                    "(bootstrap resamples)", "resamples")
 
 
 @dataclass
 class WorkloadConfig:
-    name: str = "synthetic"
-    num_prompts: int = 8
-    max_new_tokens: int = 256
-    prompt_len: int = 256  # synthetic only
-    split: str = "all"  # all | calibrate | holdout | trace | test (testbed.workloads.SPLITS)
-    chat_template: bool = True
+    name: str = doc("synthetic", "prompt set (also chosen as workload=NAME)")
+    num_prompts: int = doc(8, "prompts (requests) per run", "prompts")
+    max_new_tokens: int = doc(256, "tokens generated per prompt at most", "tokens")
+    prompt_len: int = doc(256, "synthetic: prompt length", "tokens")
+    split: str = doc("all", "which prompts of the set: all | calibrate | holdout | trace | test")
+    chat_template: bool = doc(True, "wrap prompts in the target's chat template (if it has one)")
     # humaneval + backend=real: pass@1 by executing the problems' tests on the generated code in a
     # sandboxed subprocess (testbed/humaneval_exec.py); off by default: it runs untrusted code
-    exec_tests: bool = False
+    exec_tests: bool = doc(False, "humaneval + backend=real: run the problems' tests on the "
+                           "generated code (sandboxed) for pass@1")
 
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
+    temperature: float = doc(0.0, "sampling temperature; 0 = greedy")
+    top_k: int = doc(0, "sample among the k most probable tokens; 0 = off", "tokens")
+    top_p: float = doc(1.0, "nucleus sampling: the smallest set with this probability; 1 = off",
+                       "probability, 0-1")
 
 
 @dataclass
 class RealConfig:
-    device: str = "cpu"
-    dtype: str = "fp32"
-    threads: int = 0  # 0 = torch default
-    baseline: bool = True  # also run `ar` on the same prompts to report speedup
-    progress: bool = True
-    ignore_eos: bool = False  # true: always generate workload.max_new_tokens tokens
-    recv_timeout_s: float = 20.0  # multi-process runs: a receive or collective waits at most this
-    allreduce: str = "shm"  # tensor-parallel all-reduce: shm (same host, polled) | gloo
-    allow_concurrent: bool = False  # true: real jobs of sweeps may run at once on this host
-    repeats: int = 1  # > 1: measure the run and its `ar` baseline this often, interleaved (CIs)
+    device: str = doc("cpu", "where the models run: cpu | cuda")
+    dtype: str = doc("fp32", "weights and activations: fp32 | bf16 | fp16")
+    threads: int = doc(0, "torch threads per process; 0 = torch's default", "threads")
+    baseline: bool = doc(True, "also run `ar` on the same prompts to report the speedup")
+    progress: bool = doc(True, "show a progress bar")
+    ignore_eos: bool = doc(False, "always generate workload.max_new_tokens tokens")
+    recv_timeout_s: float = doc(20.0, "multi-process runs: a receive or collective waits at most this", "s")
+    allreduce: str = doc("shm", "tensor-parallel all-reduce: shm (same host, polled) | gloo")
+    allow_concurrent: bool = doc(False, "real jobs of sweeps may run at once on this host")
+    repeats: int = doc(1, "> 1: measure the run and its `ar` baseline this often, interleaved "
+                       "(confidence intervals)", "repeats")
 
 
 @dataclass
 class ReportConfig:
-    per_run: bool = True  # write report.md/html (tables) into every single run directory
-    figures: bool = False  # also draw the figures in a single run's report (seconds of plotting)
+    per_run: bool = doc(True, "write report.md/html (tables) into every single run directory")
+    figures: bool = doc(False, "also draw the figures in a single run's report (seconds of plotting)")
 
 
 @dataclass
 class ExperimentConfig:
-    backend: str = "sim"
-    seed: int = 0
+    backend: str = doc("sim", "simulate (sim) or execute on this machine (real)")
+    seed: int = doc(0, "random seed of the run (sampling, simulated acceptance and timing)")
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     pair: PairConfig = field(default_factory=PairConfig)
@@ -216,7 +246,8 @@ class ExperimentConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     real: RealConfig = field(default_factory=RealConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
-    calibrate: bool = False  # backend=real: measure the `profile` latency tables (real/calibrate.py)
+    calibrate: bool = doc(False, "backend=real: measure this machine's latency tables for "
+                          "sim.cost_model=profile (a flag: +calibrate)")
 
 
 def default_gpus(role: str, schedule: str, gpus_per_node: int, hardware: str = "") -> int:
@@ -294,6 +325,11 @@ def to_experiment(cfg: DictConfig | dict) -> ExperimentConfig:
     if isinstance(cfg, dict):
         cfg = OmegaConf.create(cfg)
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
+    net = cfg.get("network")
+    if isinstance(net, DictConfig) and "bandwidth_gbps" in net:  # a run recorded before the rename
+        cfg = cfg.copy()
+        old = cfg.network.pop("bandwidth_gbps")
+        cfg.network.bandwidth_gbit_s = 8.0 * float(old)  # it held gigabytes per second
     merged = OmegaConf.merge(_schema(), cfg)  # (merge copies its first argument)
     exp = OmegaConf.to_object(merged)
     assert isinstance(exp, ExperimentConfig)

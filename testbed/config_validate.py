@@ -135,7 +135,7 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
 
     net = exp.network
     _float_range("network.latency_ms", net.latency_ms, 0.0)
-    _float_range("network.bandwidth_gbps", net.bandwidth_gbps, 0.0)
+    _float_range("network.bandwidth_gbit_s", net.bandwidth_gbit_s, 0.0)
     _float_range("network.jitter_ms", net.jitter_ms, 0.0)
 
     a = exp.acceptance

@@ -203,7 +203,7 @@ def _link(exp: ExperimentConfig, u: str, v: str, same_machine: bool) -> LinkSpec
         model = LinkModel(name, hw.nvlink_latency_us * 1e-6, bandwidth_Bps(hw.nvlink_gbps), 0.0)
     else:
         net = exp.network
-        model = LinkModel(name, net.latency_ms * 1e-3, bandwidth_Bps(net.bandwidth_gbps),
+        model = LinkModel(name, net.latency_ms * 1e-3, bandwidth_Bps(net.bandwidth_gbit_s / 8),
                           net.jitter_ms * 1e-3)
     return LinkSpec(name, u, v, model, emulated=not same_machine)
 
@@ -218,6 +218,10 @@ class PlacementError(ConfigError):
 
 def _check_real(exp: ExperimentConfig, kind: str, world: int, devices: int, hosts: int) -> None:
     pl = exp.placement
+    if exp.real.device.startswith("cuda") and devices == 0:
+        raise PlacementError("real.device", f"real.device={exp.real.device}: CUDA is not available on "
+                             "this machine (no CUDA device, or a torch built without CUDA); run on "
+                             "the CPU with real.device=cpu")
     what = "GPUs" if exp.real.device.startswith("cuda") else "cores (on CPU a device is one core)"
     need = {"async": f"placement.target_gpus={pl.target_gpus} + placement.draft_gpus={pl.draft_gpus}",
             "pipeline": f"placement.nodes={pl.nodes} x placement.target_gpus={pl.target_gpus}",

@@ -116,5 +116,9 @@ def normalized(exp: ExperimentConfig) -> ExperimentConfig:
 
 
 def experiment_hash(exp: ExperimentConfig) -> str:
-    blob = json.dumps(as_dict(normalized(exp)), sort_keys=True, default=str)
+    d = as_dict(normalized(exp))
+    # hashed under its former name and unit (GB/s), so that the runs of sweeps finished before
+    # network.bandwidth_gbit_s was renamed still count as done when the sweep is resumed
+    d["network"]["bandwidth_gbps"] = d["network"].pop("bandwidth_gbit_s") / 8
+    blob = json.dumps(d, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

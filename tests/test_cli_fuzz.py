@@ -38,6 +38,10 @@ BAD_COMMAND_LINES = [
     ("workload.num_prompts=0", "workload.num_prompts"),
     ("workload=nope", "workload=nope"),
     ("schedule=decentralized network.latency_ms=-5", "network.latency_ms"),
+    # the old name of network.bandwidth_gbit_s (it held GB/s): refused with the new name
+    ("schedule=decentralized network=wan network.bandwidth_gbps=0.125", "network.bandwidth_gbit_s"),
+    # a range error says what the setting means, in its unit
+    ("schedule=decentralized network=wan network.bandwidth_gbit_s=-1", "Gbit/s"),
     ("schedule.tau=0.2", "schedule.adaptive=true"),
     ("placement.nodes=4", "placement.nodes"),
     ("network=wan", "network"),
@@ -188,7 +192,9 @@ def test_report_keeps_previous_report_on_failure(files: dict[str, Path], tmp_pat
 
 def test_exit_code_seen_by_the_shell(tmp_path: Path) -> None:
     p = run_cli("schedule.gamma=abc", f"hydra.run.dir={tmp_path}/run", timeout=120)
-    assert p.returncode == 2 and p.stderr.strip() == "error: schedule.gamma='abc' is not allowed: an integer"
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "error: schedule.gamma='abc' is not allowed: an integer (schedule.gamma: draft tokens per "
+        "round (sync, decentralized); also the lookahead cap [tokens])")
     assert not (tmp_path / "run").exists()
 
 
@@ -201,6 +207,7 @@ def test_cases_are_many_and_distinct() -> None:
 def test_help_lists_groups_not_pairs(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     code, out = run_main(["--help"], capsys, monkeypatch)
     assert code == 0
-    assert "schedule   ar, async, decentralized, sync" in out and "schedule.gamma" in out
+    assert "schedule   decoding schedule\n             ar, async, decentralized, sync" in out
+    assert "schedule.gamma" in out
     assert "TARGET+DRAFT" in out and "llama3_70b+qwen2_1_5b" not in out
-    assert len(out.splitlines()) < 150
+    assert len(out.splitlines()) < 250  # two lines a setting, the pairs as their rule

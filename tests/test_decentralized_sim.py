@@ -22,7 +22,7 @@ from testbed.theory import dsd_comm_reduction, dsd_speedup
 from tests.conftest import compose_exp
 
 ANALYTIC = ("schedule=decentralized", "hardware=a800_nodes", "sim.cost_model=analytic",
-            "acceptance=iid", "network.jitter_ms=0", "network.bandwidth_gbps=0")
+            "acceptance=iid", "network.jitter_ms=0", "network.bandwidth_gbit_s=0")
 
 # (alpha, gamma, c, nodes, t1_ms) with t0 = 25 ms
 GRID = [(0.8, 4, 0.05, 2, 20.0), (0.6, 8, 0.1, 4, 50.0), (0.9, 3, 0.02, 8, 5.0),
@@ -107,7 +107,7 @@ def test_ar_over_a_pipeline_is_its_own_schedule() -> None:
     """`schedule=ar placement.nodes=N` runs the pipeline too (and reports its network)."""
     exp = compose_exp("schedule=ar", "hardware=a800_nodes", "sim.cost_model=analytic",
                       "placement.nodes=2", "network.latency_ms=5", "network.jitter_ms=0",
-                      "network.bandwidth_gbps=0", "workload.num_prompts=1", "workload.max_new_tokens=10")
+                      "network.bandwidth_gbit_s=0", "workload.num_prompts=1", "workload.max_new_tokens=10")
     res = run(exp)
     rounds = res.recorder.frames()[0]
     assert all_close(rounds["end_s"] - rounds["start_s"], 0.025 + 2 * 0.005)

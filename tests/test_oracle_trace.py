@@ -173,3 +173,28 @@ def test_an_ar_baseline_of_a_feature_reading_policy_needs_no_features(tmp_path: 
     baseline = sim_exp(run, 2, 2, "lookahead=confidence")
     baseline.schedule.name = "ar"  # as the prediction builds its baseline: the policy stays
     assert len(load_trace(baseline)) == 2
+
+
+def test_a_corrupt_trace_names_the_whole_reason_in_one_line(tmp_path: Path) -> None:
+    write_trace_run(tmp_path / "run", 4)
+    (tmp_path / "run" / "rounds.parquet").write_bytes(b"PA")  # 2 bytes: not a parquet file
+    with pytest.raises(ConfigError) as e:
+        sim_run(sim_exp(tmp_path / "run", 4))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.endswith("); re-record it")
+    reason = msg.split("not a readable parquet file (", 1)[1][:-len("); re-record it")]
+    import pyarrow.parquet as pq
+
+    with pytest.raises(Exception) as direct:
+        pq.read_table(tmp_path / "run" / "rounds.parquet")
+    assert reason == " ".join(str(direct.value).split())  # all of it, not cut mid-word
+
+
+def test_the_record_command_a_missing_trace_suggests_records_the_pair_asked_for(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError) as e:
+        sim_run(compose_exp("acceptance=trace", f"acceptance.trace_path={tmp_path / 'empty'}",
+                            "pair=llama3_70b+llama3_2_3b", "workload=synthetic", "workload.num_prompts=1"))
+    asked, suggested = str(e.value).split("(none found)")
+    assert "pair=llama3_70b+llama3_2_3b workload=synthetic" in asked
+    assert "backend=real schedule=sync pair=llama3_70b+llama3_2_3b workload=synthetic " in suggested

@@ -91,3 +91,11 @@ def test_receive_timeout_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="real.recv_timeout_s"):
         compose_exp("real.recv_timeout_s=0")
     assert compose_exp("real.recv_timeout_s=2.5").real.recv_timeout_s == 2.5
+
+
+def test_cuda_without_cuda_says_so_and_names_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"^real.device=cuda: CUDA is not available on this machine .*"
+                                          r"real.device=cpu$") as e:
+        make_placement(_real("placement.target_gpus=1", "placement.draft_gpus=1", "real.device=cuda"),
+                       devices=0)
+    assert e.value.key == "real.device" and "lower it" not in str(e.value)

@@ -1,6 +1,9 @@
 """The sweep report as a browser shows it: headless Chromium loads report.html, and a script
 checks that every image loaded, that no figure is a strip (wider than tall by more than 4:1)
-or too wide to read at its natural size, and that every figure links to its full size.
+or too wide to read at its natural size, that every figure links to its full size, that no
+markdown is left raw in the text (a table that did not render reads as lines of `| … |`), and
+that no table is wider than the page; each PNG's drawn extent is compared with its canvas (a
+drawing that touches the edge had a label or legend cut off).
 
 Skipped when no Chromium binary is installed (`apt-get install chromium`)."""
 
@@ -18,19 +21,27 @@ from sim.engine import run
 from testbed.report import build_report
 from testbed.results import write_run
 from tests.conftest import compose_exp
+from tests.report_checks import clipped_figures, write_prompts_run
 
 MAX_ASPECT = 4.0
 MAX_WIDTH_PX = 1600
+PAGE_PX = 1400  # the browser window (the report's body is at most 1200 px of it)
 
-CHECK = """<script>
+CHECK = r"""<script>
 window.addEventListener("load", () => {
   const imgs = [...document.images].map(i => ({src: i.getAttribute("src"), w: i.naturalWidth,
     h: i.naturalHeight, ok: i.complete && i.naturalWidth > 0,
     link: i.parentElement.tagName === "A" ? i.parentElement.getAttribute("href") : null}));
   const th = document.querySelectorAll("th").length;
+  const page = document.documentElement.clientWidth;
+  const wide = [...document.querySelectorAll("table")].map(t => ({
+      right: Math.ceil(t.getBoundingClientRect().right), header: t.rows[0].innerText.slice(0, 80)}))
+    .filter(t => t.right > page);
+  const raw = document.body.innerText.split("\n").filter(l => /^\s*(\||#{1,6} |-{3,}\|)/.test(l));
   const pre = document.createElement("pre");
   pre.id = "check";
-  pre.textContent = JSON.stringify({imgs, th, text: document.body.innerText.includes("`")});
+  pre.textContent = JSON.stringify({imgs, th, text: document.body.innerText.includes("`"), page,
+                                    wide, raw, scroll: document.documentElement.scrollWidth});
   document.body.appendChild(pre);
 });
 </script>"""
@@ -39,6 +50,22 @@ window.addEventListener("load", () => {
 def chromium() -> str | None:
     return next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome",
                                                         "chrome")) if p), None)
+
+
+def wide_run(sweep: Path) -> None:
+    """A run that makes the runs table wider than the page unless it wraps: more key fields vary."""
+    exp = compose_exp("sampling.temperature=0.7", "seed=3", "workload=humaneval",
+                      "workload.num_prompts=1", "workload.max_new_tokens=16")
+    write_run(sweep / "wide", exp, run(exp))
+
+
+def validation_runs(sweep: Path) -> None:
+    """A measured tree run, its trace source and its prediction: the validation sections (their
+    error tables and the transfer between prompt splits, whose header holds pipes)."""
+    tree = "schedule=sync schedule.tree=true"
+    write_prompts_run(sweep / "val_trace", "real", "trace", tree, [3, 2, 1])
+    write_prompts_run(sweep / "val_test", "real", "test", tree, [1, 2, 2])
+    write_prompts_run(sweep / "val_pred", "sim", "test", tree, [3, 2, 1])
 
 
 def sweep_report(tmp: Path) -> Path:
@@ -51,6 +78,8 @@ def sweep_report(tmp: Path) -> Path:
     for i, (_, overrides) in enumerate(jobs.items()):
         exp = compose_exp(*overrides, *small)
         write_run(sweep / str(i), exp, run(exp))
+    wide_run(sweep)
+    validation_runs(sweep)
     return build_report([sweep], sweep)
 
 
@@ -65,7 +94,7 @@ def test_sweep_report_renders_in_chromium(tmp_path: Path) -> None:
     quiet = ["--disable-background-networking", "--disable-component-update", "--disable-sync",
              "--disable-quic", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"]
     p = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--allow-file-access-from-files",
-                        *quiet, "--virtual-time-budget=15000", "--dump-dom", page.as_uri()],
+                        *quiet, f"--window-size={PAGE_PX},1000", "--virtual-time-budget=15000", "--dump-dom", page.as_uri()],
                        capture_output=True, text=True, timeout=120)
     import psutil
 
@@ -84,3 +113,7 @@ def test_sweep_report_renders_in_chromium(tmp_path: Path) -> None:
         assert img["link"] == img["src"], f"{img['src']} does not link to its full size"
     assert result["th"] > 0, "tables without header cells"
     assert not result["text"], "literal backticks in the rendered report"
+    assert not result["raw"], f"markdown left raw in the rendered report: {result['raw'][:3]}"
+    assert not result["wide"], f"tables wider than the {result['page']} px page: {result['wide']}"
+    assert result["scroll"] <= result["page"], "the page scrolls sideways"
+    assert not clipped_figures(report.parent), "figures drawn to their edge (text cut off)"

@@ -26,3 +26,12 @@ def test_a_real_run_on_this_cpu_counts_cores(capsys) -> None:  # type: ignore[no
     print_summary({**BASE, "backend": "real", "hardware": "local", "target_gpus": 2, "draft_gpus": 2}, Path("/r"))
     out = capsys.readouterr().out
     assert "target 2 cores" in out and "GPU" not in out
+
+
+def test_a_decentralized_run_shows_its_nodes_and_links(capsys) -> None:  # type: ignore[no-untyped-def]
+    print_summary({**BASE, "schedule": "decentralized", "hardware": "a800_nodes", "nodes": 4,
+                   "target_gpus": 1, "draft_gpus": 1, "latency_ms": 20.0}, Path("/r"))
+    out = " ".join(capsys.readouterr().out.split())  # the title may wrap
+    assert "4 nodes × target 1 GPU" in out and "20 ms links" in out
+    print_summary({**BASE, "nodes": 1}, Path("/r"))
+    assert "nodes" not in capsys.readouterr().out

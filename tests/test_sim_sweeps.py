@@ -108,7 +108,7 @@ def test_gpu_split_report_section(tmp_path: Path) -> None:
 
 def test_decentralized_report_section(tmp_path: Path) -> None:
     common = ("schedule=decentralized", "hardware=a800_nodes", "sim.cost_model=analytic",
-              "acceptance=iid", "network.jitter_ms=0", "network.bandwidth_gbps=0",
+              "acceptance=iid", "network.jitter_ms=0", "network.bandwidth_gbit_s=0",
               "placement.nodes=4", "workload.num_prompts=1", "workload.max_new_tokens=64")
     for lat in (0, 20, 50):
         _write(tmp_path, f"lat{lat}", *common, f"network.latency_ms={lat}")

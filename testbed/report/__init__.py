@@ -51,16 +51,29 @@ def section(order: int, title: str) -> Callable[[Section], Section]:
     return deco
 
 
+def _empty(v: object) -> bool:
+    return v is None or (isinstance(v, float) and v != v) or (isinstance(v, str) and v in ("", "—"))
+
+
+def _escape(text: object) -> str:
+    """A table cell's text: a `|` inside it would end the cell (and break the whole table)."""
+    return str(text).replace("|", "\\|")
+
+
 def markdown_table(df: pd.DataFrame, floatfmt: str | None = None) -> str:
-    """A markdown table with human column names and 3 significant figures (or `floatfmt`)."""
+    """A markdown table with human column names and 3 significant figures (or `floatfmt`).
+    Columns empty in every row (e.g. `tree_shape` of a sweep without trees) are left out, and
+    pipes in headers and cells are escaped."""
     def cell(v: object) -> str:
-        if v is None or (isinstance(v, float) and v != v):
+        if _empty(v):
             return "—"
         if isinstance(v, float):
             return floatfmt.format(v) if floatfmt else sig3(v)
-        return str(v).replace("|", "\\|")
+        return _escape(v)
+    if len(df):
+        df = df[[c for i, c in enumerate(df.columns) if not all(map(_empty, df.iloc[:, i]))]]
     cols = human_columns(list(df.columns))
-    lines = ["| " + " | ".join(map(str, cols)) + " |", "|" + "---|" * len(cols)]
+    lines = ["| " + " | ".join(map(_escape, cols)) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines)
 
@@ -159,9 +172,10 @@ def _failed_jobs(paths: list[Path | str]) -> list[dict[str, str]]:
     return out
 
 
+# a table as wide as the page at most: its headers wrap, and what still does not fit scrolls
 CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:1em auto;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:.5em 0;font-size:90%}th,td{border:1px solid #bbb;padding:3px 8px}
-th{background:#eee;text-align:left}td{text-align:right}img{max-width:100%;height:auto;border:1px solid #ddd}
+table{border-collapse:collapse;margin:.5em 0;font-size:90%;display:block;max-width:100%;overflow-x:auto}
+th,td{border:1px solid #bbb;padding:3px 8px}th{background:#eee;text-align:left;vertical-align:bottom}td{text-align:right}img{max-width:100%;height:auto;border:1px solid #ddd}
 code{background:#f3f3f3;padding:0 3px}"""
 
 

@@ -6,7 +6,14 @@ import pandas as pd
 
 from testbed.metrics import HEADLINE, KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
-from testbed.report.style import SCHEDULE_COLORS, colors_for, human, savefig, seaborn
+from testbed.report.style import (
+    SCHEDULE_COLORS,
+    colors_for,
+    human,
+    legend_outside,
+    savefig,
+    seaborn,
+)
 from testbed.theory import leviathan_speedup
 
 HIST_LINES = 6  # up to this many runs: one histogram line each; more: a heatmap of every run
@@ -49,7 +56,7 @@ def runs_table(ctx: ReportContext) -> str:
         lines.append("Common to all runs: " + ", ".join(f"{human(k)} `{first[k]}`" for k in fixed) + "\n")
     cols = keys + [c for c in HEADLINE if c in df.columns]
     table = df[cols]
-    if set(df["backend"]) == {"real"} and set(df["hardware"]) == {"local"}:  # a device is a core
+    if set(df["hardware"]) == {"local"}:  # this machine: a device is a core
         table = table.rename(columns={"target_gpus": "target cores", "draft_gpus": "draft cores"})
     lines.append(markdown_table(table))
     return "\n".join(lines)
@@ -63,8 +70,9 @@ def throughput(ctx: ReportContext) -> str:
 
     df = ctx.df.copy()
     keys = varying_keys(df)
-    if "gamma" in keys and len(df) > 2:
-        hue = next((k for k in keys if k != "gamma"), None)
+    if gamma_sweep(df):
+        df = df[df["schedule"] != "ar"].copy()  # `ar` drafts nothing: γ = 0 is no point of it
+        hue = next((k for k in varying_keys(df) if k != "gamma"), None)
         sns = seaborn()
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         palette = (colors_for(list(df[hue].astype(str).unique())) if hue == "schedule"
@@ -77,6 +85,8 @@ def throughput(ctx: ReportContext) -> str:
             ax.set_ylabel(human(metric))
             ax.set_ylim(bottom=0)
             ax.set_title(f"{human(metric)} against γ")
+            if hue and ax.get_legend() is not None:
+                ax.get_legend().set_title(human(hue))
         theory = _theorem_curves(df)
         if theory is not None:
             sns.lineplot(data=theory, x="gamma", y="speedup", hue=hue if hue in theory else None,
@@ -93,13 +103,16 @@ def throughput(ctx: ReportContext) -> str:
     # baseline of the same run as a grey tick on its bar
     df["run"] = [run_label(r, keys) for _, r in df.iterrows()]
     df = df.iloc[::-1]
-    fig, ax = plt.subplots(figsize=(7, max(2.4, 1.2 + 0.3 * len(df))))
+    # as wide as the longest label needs (8 pt: ~0.07 in a character) beside a 4.5 in plot,
+    # so that the title centred over the plot stays inside the figure
+    width = max(7.0, 4.5 + 0.07 * max(map(len, df["run"])))
+    fig, ax = plt.subplots(figsize=(width, max(2.4, 1.2 + 0.3 * len(df))))
     colors = [SCHEDULE_COLORS.get(str(s), "#0072B2") for s in df["schedule"]]
     ax.barh(range(len(df)), df["tokens_per_s"], color=colors, height=0.7)
     base = pd.to_numeric(df.get("ar_tokens_per_s"), errors="coerce")
     if base is not None and base.notna().any():
         ax.scatter(base, range(len(df)), marker="|", s=200, color="black", zorder=3, label="ar baseline")
-        ax.legend(loc="lower right", fontsize=8)
+        legend_outside(ax, fontsize=8)
     ax.set_yticks(range(len(df)), df["run"], fontsize=8)
     ax.set_xlim(left=0)
     ax.set_xlabel("decode tokens/s (prefill excluded)")
@@ -107,6 +120,14 @@ def throughput(ctx: ReportContext) -> str:
     fig.tight_layout()
     savefig(fig, ctx.figure_path("throughput.png"))
     return "![throughput](throughput.png)"
+
+
+def gamma_sweep(df: pd.DataFrame) -> bool:
+    """Whether throughput against γ means something here: one schedule (`ar` aside, which drafts
+    nothing) run at more than one γ, more than two runs in all."""
+    drafted = df[df["schedule"] != "ar"]
+    return (len(drafted) > 2 and drafted["schedule"].nunique() == 1
+            and drafted["gamma"].nunique() > 1)
 
 
 def _theorem_curves(df: pd.DataFrame) -> pd.DataFrame | None:
@@ -168,14 +189,17 @@ def acceptance_hist(ctx: ReportContext) -> str:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
     else:  # every run: one row each, colour = share of verifications
-        fig, ax = plt.subplots(figsize=(8, 1.4 + 0.28 * len(table)))
+        # constrained layout: tight_layout does not make room for a colour bar's label
+        fig, ax = plt.subplots(figsize=(8, 1.4 + 0.28 * len(table)), layout="constrained")
+        fig.get_layout_engine().set(w_pad=0.1, h_pad=0.1)  # inches: the margin tight_layout leaves
         im = ax.imshow(table.values, aspect="auto", cmap="viridis", vmin=0)
         ax.set_yticks(range(len(table)), table.index, fontsize=7)
         ax.set_xticks(range(len(table.columns)), [str(c) for c in table.columns])
         fig.colorbar(im, ax=ax, label="share of verifications")
     ax.set_xlabel("tokens per verification (accepted + bonus)")
     ax.set_title(f"accepted length, {len(table)} run(s)")
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     savefig(fig, ctx.figure_path("accepted_length.png"))
     return "![accepted length](accepted_length.png)"
 
@@ -207,9 +231,7 @@ def timeline(ctx: ReportContext) -> str:
                            (i - 0.4, 0.8), facecolors=colors[kind], label=kind, edgecolor="black", linewidth=0.3)
     ax.set_yticks(range(len(resources)), resources)
     ax.set_xlabel("ms since the first decode round")
-    handles, labels = ax.get_legend_handles_labels()
-    uniq = dict(zip(labels, handles))
-    ax.legend(uniq.values(), uniq.keys(), loc="upper right", fontsize=8)
+    legend_outside(ax, fontsize=8)
     ax.set_title("first rounds of the first request")
     fig.tight_layout()
     savefig(fig, ctx.figure_path("timeline.png"))

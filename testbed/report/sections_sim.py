@@ -17,7 +17,15 @@ import math
 import pandas as pd
 
 from testbed.report import ReportContext, markdown_table, section
-from testbed.report.style import SCHEDULE_COLORS, colors_for, grid, savefig, seaborn
+from testbed.report.style import (
+    SCHEDULE_COLORS,
+    colors_for,
+    device_word,
+    grid,
+    legend_outside,
+    savefig,
+    seaborn,
+)
 from testbed.results import Run
 
 TIMELINE_SCHEDULES = ("async", "sync_tree", "decentralized")
@@ -86,12 +94,12 @@ def gpu_split(ctx: ReportContext) -> str:
             if len(row):
                 color, ls = styles[b]
                 ax.axhline(float(row["tokens_per_s"].iloc[0]), color=color, linestyle=ls,
-                           label=f"{b} ({int(row['target_gpus'].iloc[0])} GPUs, serial)")
+                           label=f"{b} ({int(row['target_gpus'].iloc[0])} {device_word(hw)}, serial)")
         best = g.loc[g["tokens_per_s"].idxmax()]
         x = best["target_gpus"] if best["schedule"] == "async" else a["target_gpus"].max() + 0.5
         ax.plot([x], [best["tokens_per_s"]], marker="*", markersize=16, color="tab:red",
                 linestyle="none", label=f"best: {best['split']}")
-        ax.set_xlabel("target GPUs (the rest draft)")
+        ax.set_xlabel(f"target {device_word(hw)} (the rest draft)")
         ax.set_ylabel("decode tokens/s")
         ax.set_ylim(bottom=0)
         ax.set_title(f"{pair}\n{hw}", fontsize=9)
@@ -100,7 +108,7 @@ def gpu_split(ctx: ReportContext) -> str:
         ref = {b: g.loc[g["split"] == b, "tokens_per_s"] for b in BASELINES}
         best_rows.append({
             "pair": pair, "hardware": hw, "best split": best["split"],
-            "target/draft GPUs": f"{int(best['target_gpus'])}/{int(best['draft_gpus'])}",
+            f"target/draft {device_word(hw)}": f"{int(best['target_gpus'])}/{int(best['draft_gpus'])}",
             "tokens_per_s": best["tokens_per_s"], "d": best["d"],
             **{f"x vs {b}": (best["tokens_per_s"] / float(ref[b].iloc[0]) if len(ref[b]) else None)
                for b in BASELINES}})
@@ -289,13 +297,12 @@ def gantt(ctx: ReportContext) -> str:
         ax.set_yticks(range(len(resources)), resources, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlim(0, (t1 - t0) * 1e3)
-        label = f"{row['schedule']} · {row['pair']} · target {row['target_gpus']} / draft {row['draft_gpus']} GPUs"
+        label = (f"{row['schedule']} · {row['pair']} · target {row['target_gpus']} / draft "
+                 f"{row['draft_gpus']} {device_word(row['hardware'])}")
         if (row.get("nodes") or 1) > 1:
             label += f" · {row['nodes']} nodes, {row.get('latency_ms', '?')} ms links"
         ax.set_title(f"{label} — first {GANTT_ROUNDS} rounds of request 0", fontsize=9)
-        handles, labels = ax.get_legend_handles_labels()
-        uniq = dict(zip(labels, handles))
-        ax.legend(uniq.values(), uniq.keys(), loc="upper right", fontsize=7)
+        legend_outside(ax)  # beside the chart: inside, it covered the last rounds' bars
         tables.append({"run": label, **{f"busy {r}": share.get(r) for r in _resource_order(list(share))
                                         if not r.startswith("link")},
                        "busy links (sum)": sum(v for r, v in share.items() if r.startswith("link")) or None})

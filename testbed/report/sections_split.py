@@ -15,7 +15,7 @@ import pandas as pd
 
 from testbed.report import ReportContext, markdown_table, section
 from testbed.report.sections_validate import validation_frame
-from testbed.report.style import SCHEDULE_COLORS, grid, savefig
+from testbed.report.style import SCHEDULE_COLORS, grid, legend_outside, savefig
 
 SPLIT_SCHEDULES = ("async", "sync", "sync_tree", "ar")
 GROUP = ["pair", "hardware", "workload", "temperature"]
@@ -95,7 +95,7 @@ def _plot(pairs: pd.DataFrame, path: str) -> None:
         ax.set_xticklabels(g["split"])
         ax.set_ylabel("decode tokens/s")
         ax.set_title(_group_label(key), fontsize=8)
-        ax.legend(fontsize=7, loc="lower right")
+        legend_outside(ax)  # beside the bars: inside, it covered the last splits' bars
     fig.tight_layout()
     savefig(fig, path)
 

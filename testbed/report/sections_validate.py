@@ -348,6 +348,10 @@ def validation(ctx: ReportContext) -> str:
                      f"round times of a real run of the same configuration (`sim.profile_rescale=true`) "
                      f"median {b.median():.1f} %, worst {b.max():.1f} %. The goals apply to the "
                      "standalone prediction: the rescaled one leans on a run of what it predicts.")
+    missing = [csv for frame, csv in ((floors[0][0], "validation_timing.csv"),
+                                      (both, "validation_rescaled.csv")) if frame.empty]
+    if missing:
+        lines.append("\n" + missing_files_note(missing, val))
     for frame, csv, what, meaning in floors:
         if len(frame):
             frame.to_csv(ctx.out_dir / csv, index=False)
@@ -362,6 +366,19 @@ def validation(ctx: ReportContext) -> str:
         lines += own_acceptance_lines(own, "validation_own_acceptance.csv")
     lines += sizing_lines(ctx.runs, val, ctx.out_dir, TARGET_MEDIAN, TARGET_P90)
     return "\n".join(lines)
+
+
+def missing_files_note(missing: list[str], val: pd.DataFrame) -> str:
+    """Why this report has no ``missing`` files (the timing-only and rescaled predictions):
+    both replay a chain (`sync`) run's rounds, which a tree, async or DSD grid does not have."""
+    names = " and ".join(f"`{m}`" for m in missing)
+    if not (val["schedule"] == "sync").any():
+        return (f"No {names}: {'they exist' if len(missing) > 1 else 'it exists'} for chain "
+                "(`sync`) runs only — their rounds are replayed with the profile — and these "
+                f"runs have none (schedules: {', '.join(sorted(set(val['schedule'])))}).")
+    return (f"No {names}: no measured `sync` run could be replayed (each needs its "
+            "`experiment.yaml` and `rounds.parquet`, the profile it was predicted with, and its "
+            "trace-source run beside it).")
 
 
 def validation_key(run: Run) -> tuple:

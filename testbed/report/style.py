@@ -31,11 +31,35 @@ HUMAN = {
     "comm_reduction_eq5": "comm. reduction (eq. 5)", "temperature": "temperature",
     "error_pct": "error (%)", "num_requests": "requests",
     "pass_at_1": "pass@1", "pass_at_1_baseline": "pass@1 ar",
+    "tree_shape": "tree (w, bs, d)",
+    # validation tables: errors in %, |error| written "abs." (a pipe would end a markdown cell)
+    "median_abs_error_pct": "median abs. error %", "p90_abs_error_pct": "P90 abs. error %",
+    "worst_abs_error_pct": "worst abs. error %", "mean_error_pct": "mean signed error %",
+    "inside_pct": "inside interval %",
+    "standalone_median_abs_pct": "standalone: median abs. error %",
+    "own_acceptance_median_abs_pct": "own acceptance: median abs. error %",
+    "own_acceptance_mean_signed_pct": "own acceptance: mean signed error %",
+    "own_acceptance_worst_abs_pct": "own acceptance: worst abs. error %",
+    "standalone_error_pct": "standalone error %", "rescaled_error_pct": "rescaled error %",
+    "own_acceptance_error_pct": "own acceptance error %",
+    "dsd_point": "DSD point", "mean_accepted_len err %": "accepted len err %",
+    "tokens_per_s err %": "tokens/s err %", "tpot_ms err %": "TPOT err %",
 }
 
 
 def human(name: str) -> str:
-    return HUMAN.get(name, name)
+    """What a reader calls a field: `tokens/s`, not `tokens_per_s`; an unlisted `…_pct` field
+    spelled out (`transfer_pct` → `transfer %`: a raw field name neither wraps nor reads well)."""
+    if name in HUMAN:
+        return HUMAN[name]
+    if name.endswith("_pct") and " " not in name:
+        return name[:-4].replace("_", " ") + " %"
+    return name
+
+
+def device_word(hardware: object) -> str:
+    """What a placement counts on this hardware: a device of `hardware=local` is a CPU core."""
+    return "cores" if str(hardware) == "local" else "GPUs"
 
 
 def human_columns(cols: list[Any]) -> list[str]:
@@ -71,6 +95,15 @@ def grid(n: int, max_cols: int = 3) -> tuple[int, int]:
     """Rows and columns for n facets: at most `max_cols` wide, wrapping into rows."""
     cols = min(max_cols, max(1, n))
     return math.ceil(n / cols), cols
+
+
+def legend_outside(ax: Any, fontsize: int = 7, **kwargs: Any) -> None:
+    """The axes' legend (one entry per label) to the right of its plot, where it covers no bar or
+    line; ``fig.tight_layout()`` then makes room for it inside the figure."""
+    handles, labels = ax.get_legend_handles_labels()
+    uniq = dict(zip(labels, handles))
+    ax.legend(uniq.values(), uniq.keys(), loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              borderaxespad=0.0, fontsize=fontsize, **kwargs)
 
 
 def savefig(fig: Any, path: Any) -> None:
