@@ -124,10 +124,10 @@ def functional_forward(model: Transformer, context: int):
     """A plain-PyTorch copy of the model's forward over a static cache of ``context`` slots (the
     same GEMMs, attention and LM head; the cache is read, not written): torch.compile's input."""
     a = model.args
-    layers = [(l.attention_norm, l.attention.wqkv, l.attention.wo, l.ffn_norm, l.feed_forward.w13,
-               l.feed_forward.w2) for l in model.layers]
-    caches = [(l.attention.kv_cache.k_cache[:, :, :context], l.attention.kv_cache.v_cache[:, :, :context])
-              for l in model.layers]
+    layers = [(b.attention_norm, b.attention.wqkv, b.attention.wo, b.ffn_norm, b.feed_forward.w13,
+               b.feed_forward.w2) for b in model.layers]
+    caches = [(b.attention.kv_cache.k_cache[:, :, :context], b.attention.kv_cache.v_cache[:, :, :context])
+              for b in model.layers]
     hq, hkv, d = a.n_heads, a.n_kv_heads, a.head_dim
 
     def forward(tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -268,7 +268,7 @@ def main() -> None:
     for name in args.dtypes:
         result["rows"] += run_dtype(name, args)
     if args.tp2:
-        from benchmarks.bench_verify_tp import run_tp2  # noqa: PLC0415 (spawns processes)
+        from bench_verify_tp import run_tp2  # noqa: PLC0415 (beside this file; spawns processes)
 
         result["tp2"] = run_tp2(args)
     print(f"\n{load_avg()}")

@@ -57,6 +57,17 @@ swiglu_fused = _DEFAULTS["swiglu_fused"]
 decode_layers = _DEFAULTS["decode_layers"]
 
 
+def preferred_dtype(device: str = "cpu") -> str:
+    """What ``real.dtype=auto`` runs: bf16 on a GPU and on a CPU where the native kernels run (a
+    k-token forward in bf16 reads half the bytes and, without bf16 arithmetic, widens in registers
+    at the fp32 FMA rate: faster than fp32 at every k from 1 to 16 on both host types measured,
+    ``benchmarks/bench_verify.py``); else fp32 (PyTorch's bf16 matmul on a CPU without AVX512-BF16
+    runs at < 1 GFLOP/s)."""
+    if device != "cpu":
+        return "bf16"
+    return "bf16" if native.AVAILABLE else "fp32"
+
+
 def register(name: str, fn: Callable) -> None:
     """Use ``fn`` for op ``name`` from now on (e.g. a Triton kernel on GPU).
 

@@ -254,17 +254,26 @@ inline void exp_inplace(float* x, long n) {
         _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_mul_ps(p, s1), s2));
     }
 #endif
+#if defined(SB_AVX512) || defined(SB_AVX2)
+    if (i < n) {  // the tail through the same vector code: a value's exp must not depend on n
+        alignas(64) float tail[16] = {};
+        std::memcpy(tail, x + i, (n - i) * sizeof(float));
+        exp_inplace(tail, 16);
+        std::memcpy(x + i, tail, (n - i) * sizeof(float));
+    }
+#else
     for (; i < n; ++i) x[i] = std::exp(std::min(std::max(x[i], -104.f), 88.7f));
+#endif
 }
 
 // ------------------------------------------------------------------------------ micro-kernel
-// Accumulator sets (alternate k steps, summed at the end): a 2-row tile has only 4 independent
-// FMA chains (latency 4 x 2 FMAs per cycle = 8 wanted); two sets took it from ~45% to ~60% of the
-// FMA peak on the AVX2 host. One row stays at one set: GCC spilled the sets of a 1-row tile
-// (half the speed); it streams weights faster than memory delivers them anyway.
+// Accumulator sets (alternate k steps, summed at the end) would give small tiles more FMA chains
+// (a 2-row tile: ~45% -> ~60% of the peak in L2), but they change the summation order with the
+// tile height, i.e. with the number of tokens in the forward: one set keeps every output's sum
+// the same sequence over k for every T (batch invariance, see sequential_sum).
 template <int MR>
 constexpr int sets() {
-    return MR == 2 ? 2 : 1;
+    return 1;
 }
 
 template <int MR>
@@ -627,6 +636,18 @@ inline __m256i first_lanes(long n) {  // lanes [0, n) set (all for n >= 8)
 }
 #endif
 
+// Sum of p[0, n) front to back, one chain: exact zeros (keys this row may not see) change nothing,
+// so a row's softmax normalizer is the same whatever the other rows of the call, the length n
+// past its keys, or the gaps between them (a tree's masked siblings). With it every kernel here
+// is batch invariant: a token's logits in a k-token verification or a tree equal its decode's
+// bit for bit, which greedy bf16 needs to reproduce ar token for token (a vectorised sum's order
+// depends on n; ~2 % of a 16-token forward).
+inline float sequential_sum(const float* p, long n) {
+    float sum = 0.f;
+    for (long s = 0; s < n; ++s) sum += p[s];
+    return sum;
+}
+
 // Grouped-query attention of T tokens over cache slots [0, S): the rep = Hq/Hkv query heads of
 // a K/V head (times T tokens) share every K row loaded. Scores for many query rows come from VL
 // keys transposed at a time (VL broadcast FMAs per head dimension instead of a horizontal sum
@@ -639,7 +660,7 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
     const float scale = 1.f / std::sqrt(static_cast<float>(d));
     long s0 = 0;
 #if defined(SB_AVX512)
-    if (rows >= 4) {
+    {  // every row count: a score must not depend on how many rows share the call
         alignas(64) float kt[512 * 16];
         for (; s0 < S; s0 += 16) {
             const long nb = S - s0 < 16 ? S - s0 : 16;
@@ -657,7 +678,7 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
         }
     }
 #elif defined(SB_AVX2)
-    if (rows >= 4) {
+    {
         alignas(32) float kt[512 * 8];
         for (; s0 < S; s0 += 8) {
             const long nb = S - s0 < 8 ? S - s0 : 8;
@@ -701,8 +722,7 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
 #pragma omp simd
         for (long s = 0; s < S; ++s) pr[s] -= mx;
         exp_inplace(pr, S);
-#pragma omp simd reduction(+ : sum)
-        for (long s = 0; s < S; ++s) sum += pr[s];
+        sum = sequential_sum(pr, S);
         const float inv = 1.f / sum;
 #pragma omp simd
         for (long s = 0; s < S; ++s) pr[s] *= inv;

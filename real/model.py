@@ -205,6 +205,7 @@ class Transformer(nn.Module):
         # Set by real.tp.apply_tp on a tensor-parallel rank (kernels.allreduce.AllReduce): the
         # per-layer sums run as module hooks; a kernel fusing several layers must call it too.
         self.tp_allreduce = None
+        self.tp_vocab: tuple[int, int] | None = None  # (lo, hi): this rank's LM-head rows under TP
 
     # ------------------------------------------------------------------------------ setup
     @property
@@ -257,7 +258,15 @@ class Transformer(nn.Module):
 
     def head(self, h: Tensor) -> Tensor:
         """Final norm + LM head: hidden ``[B, T, dim]`` -> fp32 logits ``[B, T, vocab]``."""
-        return kernels.linear(kernels.rms_norm(h, self.norm, self.args.norm_eps), self.output).float()
+        logits = kernels.linear(kernels.rms_norm(h, self.norm, self.args.norm_eps), self.output).float()
+        if self.tp_vocab is None:
+            return logits
+        # a tensor-parallel rank holds vocabulary rows [lo, hi) (real.tp): its logits in place,
+        # zeros elsewhere, summed over the ranks
+        lo, hi = self.tp_vocab
+        full = logits.new_zeros(*logits.shape[:-1], self.args.vocab_size)
+        full[..., lo:hi] = logits
+        return self.tp_allreduce(full)
 
     def _positions(self, t: int, input_pos: Tensor | int | None) -> Tensor:
         if input_pos is None:

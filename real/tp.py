@@ -3,8 +3,10 @@
 Megatron style, as gpt-fast's tp.py: the fused Q|K|V projection (``wqkv``) and gate|up
 (``w13``) are split by output rows ("columns" of the math), the output (``wo``) and down
 (``w2``) projections by input columns, and one all-reduce after each of ``wo`` and ``w2`` sums
-the ranks' partial outputs (before the residual add, so the residual counts once). Embedding,
-norms and LM head are replicated: every rank ends a forward with the same logits.
+the ranks' partial outputs (before the residual add, so the residual counts once). Embedding
+and norms are replicated. The LM head is split by vocabulary (each rank reads its share of the
+113 MB fp32 head, the largest matrix of SmolLM2-135M) and its logits are gathered with one
+all-reduce of the zero-padded rows, so every rank ends a forward with the same full logits.
 
 Heads go by KV-head groups (a KV head and the query heads that share it stay together),
 unevenly where they do not divide: SmolLM2-135M (9 query / 3 KV heads) at TP=2 puts 2 groups
@@ -96,6 +98,17 @@ def _sum_hook(allreduce: AllReduce):
     return hook
 
 
+def _shard_head(model: Transformer, rank: int, world: int) -> None:
+    # this rank's rows of the LM head (a copy: the embedding it may be tied to stays whole)
+    vocab = model.output.shape[0]
+    bounds = [0]
+    for n in even_split(vocab, world):
+        bounds.append(bounds[-1] + n)
+    lo, hi = bounds[rank], bounds[rank + 1]
+    model.output = nn.Parameter(model.output.detach()[lo:hi].clone(), requires_grad=False)
+    model.tp_vocab = (lo, hi)
+
+
 def apply_tp(model: Transformer, *, rank: int, world: int, group: dist.ProcessGroup | None = None,
              allreduce: str | AllReduce = "shm") -> Transformer:
     """Shard ``model`` (every rank loaded the same full weights) in place as rank ``rank`` of
@@ -123,6 +136,7 @@ def apply_tp(model: Transformer, *, rank: int, world: int, group: dist.ProcessGr
         layer.attention.register_forward_hook(hook)
         layer.feed_forward.register_forward_hook(hook)
     model.tp_allreduce = allreduce
+    _shard_head(model, rank, world)
     cache = next((layer.attention.kv_cache for layer in model.layers if layer.attention.kv_cache is not None), None)
     if cache is not None:  # the heads changed: the same slots, this rank's heads only
         lo = next(i for i, layer in enumerate(model.layers) if layer.attention.kv_cache is not None)

@@ -212,7 +212,7 @@ class SamplingConfig:
 @dataclass
 class RealConfig:
     device: str = doc("cpu", "where the models run: cpu | cuda")
-    dtype: str = doc("fp32", "weights and activations: fp32 | bf16 | fp16")
+    dtype: str = doc("auto", "weights and activations: auto (bf16 where this host runs it faster: the native CPU kernels or a GPU; else fp32) | fp32 | bf16 | fp16")
     threads: int = doc(0, "torch threads per process; 0 = torch's default", "threads")
     baseline: bool = doc(True, "also run `ar` on the same prompts to report the speedup")
     progress: bool = doc(True, "show a progress bar")
@@ -332,6 +332,10 @@ def to_experiment(cfg: DictConfig | dict) -> ExperimentConfig:
         cfg.network.bandwidth_gbit_s = 8.0 * float(old)  # it held gigabytes per second
     merged = OmegaConf.merge(_schema(), cfg)  # (merge copies its first argument)
     exp = OmegaConf.to_object(merged)
+    if exp.backend == "real" and exp.real.dtype == "auto":  # resolved once: runs record the dtype used
+        from kernels import preferred_dtype
+
+        exp.real.dtype = preferred_dtype(exp.real.device)
     assert isinstance(exp, ExperimentConfig)
     if not exp.pair.name:
         exp.pair.name = f"{exp.pair.target.name}+{exp.pair.draft.name}"

@@ -181,7 +181,7 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     if exp.calibrate and exp.backend != "real":
         raise ConfigError("calibrate", exp.calibrate, "false with backend=sim (calibration measures "
                           "this machine: python -m testbed backend=real +calibrate)")
-    _choice("real.dtype", exp.real.dtype, ("fp32", "bf16", "fp16"))
+    _choice("real.dtype", exp.real.dtype, ("auto", "fp32", "bf16", "fp16"))
     _int_range("real.threads", exp.real.threads, 0, 1024)
     _int_range("real.repeats", exp.real.repeats, 1, 1000)
     _int_range("sim.prediction_resamples", exp.sim.prediction_resamples, 0, 10000)
