@@ -41,7 +41,7 @@ from real.schedules.async_tree import (
 )
 from real.telemetry import Telemetry, run_files
 from real.tree_tokens import LocalModel
-from testbed.config import ExperimentConfig
+from testbed.config import ExperimentConfig, real_dtype
 from testbed.recorder import RunRecorder, RunResult
 from testbed.spec.ngram import NgramTreeSource
 from testbed.spec.sampling import SamplingParams
@@ -76,7 +76,7 @@ def _load(exp: ExperimentConfig, role: str, params: SamplingParams):  # type: ig
     from real.loading import build_requests, load, make_draft
 
     t = exp.pair.target
-    target, tokenizer = load(t.path, "pair.target", t.name, exp.real.dtype)
+    target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp))
     requests = build_requests(exp, tokenizer, target.args.max_seq_len)
     eos = frozenset() if exp.real.ignore_eos else frozenset(tokenizer.eos_token_ids)
     target_slots, draft_slots = cache_slots(exp, requests)
@@ -191,7 +191,7 @@ def run_async(exp: ExperimentConfig) -> RunResult:
                 "ranks of the target group diverged (non-deterministic all-reduce?); rerun with "
                 "real.allreduce=gloo")
     draft = min((r for r in results if r.role == "draft"), key=lambda r: r.rank)
-    extra = {"draft": exp.pair.draft.name, "dtype": exp.real.dtype, "threads": 1,
+    extra = {"draft": exp.pair.draft.name, "dtype": real_dtype(exp), "threads": 1,
              "workload_split": exp.workload.split, "max_new_tokens": exp.workload.max_new_tokens,
              "processes": len(results), "allreduce": exp.real.allreduce,
              **draft.value.extra, **leader.value.extra}

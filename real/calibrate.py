@@ -46,7 +46,7 @@ import torch
 
 from real.calibrate_fit import isotonic, smooth_table
 from real.calibrate_links import measure_messages
-from testbed.config import ExperimentConfig, ModelConfig
+from testbed.config import ExperimentConfig, ModelConfig, real_dtype
 from testbed.paths import CONF_DIR, repo_path
 from testbed.paths import profile_path as testbed_profile_path
 
@@ -318,8 +318,8 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
         with torch.inference_mode():
             t = exp.pair.target
             target, tokenizer = load_model(None if t.path is None else repo_path(t.path),
-                                           dtype=dtypes[exp.real.dtype], max_seq=64)
-            log(f"calibrating {t.name} on {exp.hardware.name}: {torch.get_num_threads()} threads, {exp.real.dtype}")
+                                           dtype=dtypes[real_dtype(exp)], max_seq=64)
+            log(f"calibrating {t.name} on {exp.hardware.name}: {torch.get_num_threads()} threads, {real_dtype(exp)}")
             pr = Probes()
             builders = {t.name: add_target_probes(pr, target, grid)}
             prompt = _sample_prompt(tokenizer)
@@ -344,7 +344,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
                 add_ngram_tree_tables,
                 add_tree_tables,
             )
-            add_tree_tables(models, drafts_to_measure(exp), dtypes[exp.real.dtype], log=log)
+            add_tree_tables(models, drafts_to_measure(exp), dtypes[real_dtype(exp)], log=log)
             add_ngram_tree_tables(models, drafts_to_measure(exp), target.args.vocab_size, log=log)
             _log_tables(models, log)
             threads = torch.get_num_threads()
@@ -376,7 +376,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "machine": machine_facts(), "torch": torch.__version__, "threads": threads,
         "cores": len(os.sched_getaffinity(0)),  # the cores it could use: TP degrees up to this
-        "dtype": exp.real.dtype, "device": exp.real.device, "statistic": "median",
+        "dtype": real_dtype(exp), "device": exp.real.device, "statistic": "median",
         "repeats": grid.repeats, "load_average": {"before": load_before, "after": load_average()},
         "probe": {"gbps": round((probe_before["gbps"] + probe_after["gbps"]) / 2, 3),
                   "before": probe_before, "after": probe_after,

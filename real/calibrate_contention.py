@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from testbed.config import ExperimentConfig
+from testbed.config import ExperimentConfig, real_dtype
 
 STOP, BUSY = 0, 1  # rank 0's commands to rank 1 (then: the busy model's index)
 
@@ -67,7 +67,7 @@ def contention_worker(ctx: Any, models: dict[str, str | None], grid_d: dict[str,
     gen = torch.Generator().manual_seed(11)
     max_seq = grid.context + max(*grid.k, grid.busy_k) + 8
     with torch.inference_mode():
-        loaded = {n: _load(p, DTYPES[ctx.exp.real.dtype], max_seq) for n, p in models.items()}
+        loaded = {n: _load(p, DTYPES[real_dtype(ctx.exp)], max_seq) for n, p in models.items()}
         if rank == 1:
             _neighbour(loaded, names, grid, gen, control)
             return None

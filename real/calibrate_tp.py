@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from testbed.config import ExperimentConfig
+from testbed.config import ExperimentConfig, real_dtype
 from testbed.paths import repo_path
 
 SHAPES = ("chain", "tree")
@@ -147,7 +147,7 @@ def tp_worker(ctx: Any, models: dict[str, str | None], grid_d: dict[str, Any]) -
     grid = TpGrid(**grid_d)
     exp = ctx.exp
     rank, group = ctx.info.index, ctx.tp_group()
-    dtype = DTYPES[exp.real.dtype]
+    dtype = DTYPES[real_dtype(exp)]
     max_seq = max(grid.context) + max(grid.k) + 8
     gen = torch.Generator().manual_seed(7)
     result: dict[str, Any] = {"forward": {}, "allreduce": {}, "round_trip": {}}

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from real.calibrate_fit import isotonic
+from testbed.config import real_dtype
 from testbed.spec.sampling import SamplingParams
 
 LEAVES = (1, 2, 4, 8, 16)
@@ -287,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"error: no pair in conf/pair/ has the profile's target {target}")
     exp = compose_experiment([f"pair={pair}", f"real.dtype={prof.get('dtype', 'fp32')}"])
     torch.set_num_threads(int(prof.get("threads") or 1))
-    add_tree_tables(models, drafts_to_measure(exp), dtypes[exp.real.dtype])
+    add_tree_tables(models, drafts_to_measure(exp), dtypes[real_dtype(exp)])
     add_ngram_tree_tables(models, drafts_to_measure(exp), _target_vocab(exp))
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "w") as f:

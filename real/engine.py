@@ -31,7 +31,7 @@ from real.runners import TargetRunner
 from real.schedules import get_schedule
 from real.telemetry import Telemetry, run_files
 from real.tree_tokens import tree_cache_slots
-from testbed.config import ExperimentConfig, as_dict
+from testbed.config import ExperimentConfig, as_dict, real_dtype
 from testbed.recorder import RunRecorder, RunResult
 from testbed.schedules import implementations, runs_on, schedule_impl
 from testbed.spec.sampling import SamplingParams
@@ -137,7 +137,7 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
     """Load, serve the prompts with the schedule and then ``ar``; ``tp`` = (index, degree,
     process group) shards both models over a tensor-parallel group first."""
     t = exp.pair.target
-    target, tokenizer = load(t.path, "pair.target", t.name, exp.real.dtype)
+    target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp))
     params = SamplingParams(exp.sampling.temperature, exp.sampling.top_k, exp.sampling.top_p)
     draft = make_draft(exp, target, tokenizer, params)
     if tp is not None:
@@ -176,7 +176,7 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
         if key not in _BASELINES:
             _BASELINES[key] = serve(exp, "ar", target, None, requests, eos, progress)
         baseline = _BASELINES[key]
-    extra = {"draft": None if draft is None else draft.name, "dtype": exp.real.dtype,
+    extra = {"draft": None if draft is None else draft.name, "dtype": real_dtype(exp),
              "threads": torch.get_num_threads(), "workload_split": exp.workload.split,
              "max_new_tokens": exp.workload.max_new_tokens, **schedule_extra}
     if not leader:

@@ -25,7 +25,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from testbed.config import ExperimentConfig, to_experiment
+from testbed.config import ExperimentConfig, real_dtype, to_experiment
 from testbed.paths import CONF_DIR, repo_path
 
 CALIBRATE_CMD = "python -m testbed backend=real +calibrate"
@@ -128,8 +128,8 @@ def profile_is_current(path: Path, exp: ExperimentConfig,
 
     if prof.get("schema") != SCHEMA:
         return False, f"profile schema {prof.get('schema')} != {SCHEMA}"
-    if prof.get("dtype") != exp.real.dtype:
-        return False, f"profile dtype {prof.get('dtype')} != real.dtype={exp.real.dtype}"
+    if prof.get("dtype") != real_dtype(exp):
+        return False, f"profile dtype {prof.get('dtype')} != real.dtype={exp.real.dtype} ({real_dtype(exp)} here)"
     if exp.real.threads and prof.get("threads") != exp.real.threads:
         return False, f"profile threads {prof.get('threads')} != real.threads={exp.real.threads}"
     if not prof.get("probe", {}).get("gbps"):

@@ -11,7 +11,7 @@ from real.drafts import Draft, EarlyExitDraft, ModelDraft, NgramDraft
 from real.errors import RealSetupError, WeightsNotFound
 from real.model import Transformer
 from real.tokenizer import Tokenizer
-from testbed.config import ExperimentConfig
+from testbed.config import ExperimentConfig, real_dtype
 from testbed.paths import repo_path
 from testbed.spec.sampling import SamplingParams
 
@@ -76,7 +76,7 @@ def make_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tokenizer,
             raise RealSetupError(f"pair.draft.exit_layer={d.exit_layer} must be in [1, "
                                  f"{target.args.n_layers - 1}] for this target")
         return EarlyExitDraft(target, d.exit_layer, params)
-    model, tok = load(d.path, "pair.draft", d.name, exp.real.dtype)
+    model, tok = load(d.path, "pair.draft", d.name, real_dtype(exp))
     check_vocab(tokenizer, target, tok, model, d.name)
     return ModelDraft(model, params, d.name)
 

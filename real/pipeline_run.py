@@ -46,7 +46,7 @@ from real.schedules.decentralized import (
     sends_dists,
 )
 from real.telemetry import Telemetry, run_files
-from testbed.config import ExperimentConfig
+from testbed.config import ExperimentConfig, real_dtype
 from testbed.metrics import divergence
 from testbed.recorder import RunRecorder, RunResult
 from testbed.spec.dsd import draft_params
@@ -94,7 +94,7 @@ def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: r
     served = StageServed(index)
     with torch.inference_mode():
         t = exp.pair.target
-        target, tokenizer = load(t.path, "pair.target", t.name, exp.real.dtype)
+        target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp))
         if target.args.n_layers != t.layers:  # the placement split the preset's layers
             raise RealSetupError(f"pair.target.layers={t.layers} but {t.path or t.name} has "
                                  f"{target.args.n_layers} layers: set pair.target.layers="
@@ -279,7 +279,7 @@ def run_pipeline(exp: ExperimentConfig) -> RunResult:
     rec = merge_records(results)
     rec.spans = [sp for sp in rec.spans if sp[2] < first.schedule_end_s]  # the baseline's are not the run's
     extra = {"draft": exp.pair.draft.name if exp.schedule.name != "ar" else None,
-             "dtype": exp.real.dtype, "threads": 1, "workload_split": exp.workload.split,
+             "dtype": real_dtype(exp), "threads": 1, "workload_split": exp.workload.split,
              "max_new_tokens": exp.workload.max_new_tokens, "processes": len(results),
              **summary(exp, stages, rec, first.baseline)}
     extra.pop("schedule_end_s", None)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from testbed.config import ExperimentConfig, ModelConfig
+from testbed.config import ExperimentConfig, ModelConfig, real_dtype
 from testbed.machine import FORWARD_PROBE_CONTEXT, FORWARD_PROBE_SMALL_K, FORWARD_PROBE_TOKENS
 
 PROBE_CONTEXT = FORWARD_PROBE_CONTEXT  # slot of the probed token
@@ -90,7 +90,7 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
 
     t, d = exp.pair.target, exp.pair.draft
     key = (t.name, str(t.path), d.name, d.kind, str(d.path), exp.schedule.name == "ar",
-           exp.real.dtype, exp.real.threads)
+           real_dtype(exp), exp.real.threads)
     if key in _readings and time.monotonic() - _readings[key][0] < REUSE_S:
         return _readings[key][1]
     old_threads = torch.get_num_threads()
@@ -99,7 +99,7 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
     try:
         if key not in _models:
             target, tokenizer = load_model(None if t.path is None else repo_path(t.path),
-                                           dtype=DTYPES[exp.real.dtype], max_seq=PROBE_CONTEXT + 2)
+                                           dtype=DTYPES[real_dtype(exp)], max_seq=PROBE_CONTEXT + 2)
             _models.clear()  # one pair's models at a time
             drafts = [] if exp.schedule.name == "ar" else [d]
             _models[key] = probe_functions(exp, target, tokenizer, drafts)

@@ -342,6 +342,17 @@ def to_experiment(cfg: DictConfig | dict) -> ExperimentConfig:
     return exp
 
 
+def real_dtype(exp: ExperimentConfig) -> str:
+    """The dtype a real run of ``exp`` uses: ``real.dtype``, with ``auto`` resolved for this host
+    (``kernels.preferred_dtype``; ``to_experiment`` resolves it already for backend=real, a sweep's
+    base experiment of another backend keeps ``auto``)."""
+    if exp.real.dtype != "auto":
+        return exp.real.dtype
+    from kernels import preferred_dtype
+
+    return preferred_dtype(exp.real.device)
+
+
 def compose_experiment(overrides: Iterable[str] = ()) -> ExperimentConfig:
     """The experiment ``python -m testbed OVERRIDES`` runs, composed and validated: for scripts
     (benchmarks, tests) that build runs without the CLI."""

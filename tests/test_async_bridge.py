@@ -12,6 +12,7 @@ import torch
 
 from real.schedules.async_tree import pack_batch
 from sim.engine import run
+from testbed.config import real_dtype
 from testbed.links import TREE_NODE_BYTES, TREE_TIMES_BYTES, subtree_message_bytes
 from testbed.placement import link_name
 from testbed.spec.tree import DraftTree
@@ -79,7 +80,7 @@ def test_a_two_core_profile_without_the_bridge_table_is_measured_again(tmp_path:
 
     exp = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "backend=real")
     prof = profile_with_tp()
-    prof.update(schema=SCHEMA, dtype=exp.real.dtype, probe={
+    prof.update(schema=SCHEMA, dtype=real_dtype(exp), probe={
         "gbps": 10.0, "forward_s": {name: 0.01 for name in prof["models"]}})
     prof["models"]["smollm2_135m"]["contended"] = {"smollm2_draft": {"k": [8], "factor": [1.0]}}
     prof.setdefault("links", {}).pop("bridge", None)

@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from sim.cost_profile import ProfileCost
+from testbed.config import real_dtype
 from tests.conftest import compose_exp
 from tests.processes import live_workers
 from tests.test_cost_profile_tp import profile_with_tp
@@ -198,7 +199,7 @@ def test_a_profile_without_the_async_bookkeeping_table_is_measured_again(tmp_pat
 
     exp = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "backend=real")
     prof = profile_with_tp()
-    prof.update(schema=SCHEMA, dtype=exp.real.dtype, probe={
+    prof.update(schema=SCHEMA, dtype=real_dtype(exp), probe={
         "gbps": 10.0, "forward_s": {name: 0.01 for name in prof["models"]}})
     prof["models"]["smollm2_draft"]["tree_expand"] = {"greedy": {"leaves": [1, 16], "seconds": [0.001, 0.002]}}
     path = tmp_path / "local.json"

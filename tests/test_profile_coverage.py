@@ -22,6 +22,7 @@ from real.ensure_profile import (
     profile_is_current,
     profile_needs,
 )
+from testbed.config import real_dtype
 from testbed.preflight import preflight
 from testbed.sweeps import checked_jobs
 from tests.conftest import ROOT, compose_exp
@@ -51,7 +52,7 @@ def full_profile(exp, tp: bool = True, threads: int = PROFILE_THREADS, cores: in
         m.pop("tp", None)
         if tp and m["kind"] == "transformer":
             m["tp"] = TABLES
-    prof.update(schema=SCHEMA, dtype=exp.real.dtype, threads=threads, cores=cores,
+    prof.update(schema=SCHEMA, dtype=real_dtype(exp), threads=threads, cores=cores,
                 probe={"gbps": 10.0, "forward_s": {name: 0.01 for name in prof["models"]}})
     return prof
 
