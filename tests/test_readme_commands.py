@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -191,8 +192,22 @@ def _argv(cmd: str, smoke: Smoke, out: Path, subs: dict[str, str]) -> list[str]:
 
 
 def _run(argv: list[str], timeout: int) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+    """``argv`` from the repository root, as the README runs it; past ``timeout`` its whole
+    process group is killed (a torchrun's ranks, a sweep's workers), not only its first process
+    (and on any other interruption of the test)."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"timed out after {timeout} s: {shlex.join(argv)}")
+    except BaseException:  # Ctrl-C: end what it started too
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def _ok(p: subprocess.CompletedProcess, argv: list[str]) -> None:  # type: ignore[type-arg]
