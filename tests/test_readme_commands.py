@@ -106,15 +106,17 @@ SMOKE: dict[str, Smoke] = {
     "python -m testbed +sweep=gpu_split": Smoke(
         "sweep", ("pair=llama3_70b+llama3_2_3b", "+split=t5,sync", *SIM)),
     "python -m testbed +sweep=gpu_split backend=real": Smoke(
-        "sweep", ("+split=sync", *REAL_SWEEP), files=("gpu_split_validation.csv",), slow=True, timeout=1800),
+        # two splits: the report compares splits (gpu_split_validation.csv needs more than one)
+        "sweep", ("+split=sync,ar", *REAL_SWEEP), files=("gpu_split_validation.csv",), slow=True, timeout=1800),
     "python -m testbed +sweep=wan": Smoke("sweep", WAN),
     "python -m testbed +sweep=validate": Smoke(
         "sweep", ("hydra.sweeper.only=[base]", "pair=smollm2_135m+ngram3", "workload=humaneval",
                   "sampling.temperature=0.0", "schedule.gamma=2", *REAL_SWEEP),
         files=("validation.csv",), slow=True, timeout=1800),
+    # two policies: the report's Table 1 compares policies (lookahead.csv needs more than one)
     "python -m testbed +sweep=lookahead": Smoke(
-        "sweep", ("hydra.sweeper.only=[base]", "pair=smollm2_135m+ngram3", "workload=humaneval",
-                  "sampling.temperature=0.0", "schedule.gamma=2", *REAL_SWEEP),
+        "sweep", ("hydra.sweeper.only=[base]", "lookahead=static,heuristic", "pair=smollm2_135m+ngram3",
+                  "workload=humaneval", "sampling.temperature=0.0", "schedule.gamma=2", *REAL_SWEEP),
         files=("lookahead.csv",), slow=True, timeout=1800),
     "python -m testbed.report DIR...": Smoke("report"),
     "python -m testbed --help": Smoke("stdout", stdout="schedule.gamma"),
