@@ -101,7 +101,8 @@ SMOKE: dict[str, Smoke] = {
         Smoke("real", REAL, slow=True),
     "torchrun --standalone --nproc-per-node 2 -m testbed backend=real placement.target_gpus=2 "
     "placement.draft_gpus=2 hydra.run.dir=DIR": Smoke("real", REAL, slow=True, timeout=600),
-    "python -m testbed backend=real +calibrate": Smoke("calibrate", slow=True, timeout=1800),
+    # not shrinkable from the command line (its grid is real.calibrate.Grid): the full ~5 minutes
+    "python -m testbed backend=real +calibrate": Smoke("calibrate", files=("profile.json",), slow=True, timeout=1800),
     "python -m testbed +sweep=gamma": Smoke("sweep", ("schedule.gamma=1,4", "acceptance.alpha=0.7", *SIM)),
     "python -m testbed +sweep=gpu_split": Smoke(
         "sweep", ("pair=llama3_70b+llama3_2_3b", "+split=t5,sync", *SIM)),
@@ -177,7 +178,7 @@ def _argv(cmd: str, smoke: Smoke, out: Path, subs: dict[str, str]) -> list[str]:
     or sweep without an output directory of its own gets ``out``."""
     words = [w.replace("=DIR", f"={out}") for w in shlex.split(cmd)]
     args = [a.format(**subs) for a in smoke.args]
-    if smoke.kind in ("run", "real") and not any(w.startswith("hydra.run.dir=") for w in words):
+    if smoke.kind in ("run", "real", "calibrate") and not any(w.startswith("hydra.run.dir=") for w in words):
         args.append(f"hydra.run.dir={out}")
     if smoke.kind == "sweep" and not any(w.startswith("hydra.sweep.dir=") for w in words):
         args.append(f"hydra.sweep.dir={out}")
@@ -248,6 +249,7 @@ def test_readme_command(cmd: str, tmp_path: Path, profile: str) -> None:
         prof = default_profile_path("local")
         saved = prof.read_bytes() if prof.exists() else None
         stamp = prof.stat().st_mtime_ns if prof.exists() else None
+        made = [d for d in (prof.parent.parent, prof.parent) if not d.exists()]
     argv = _argv(cmd, smoke, out, subs)
     try:
         p = _run(argv, smoke.timeout)
@@ -261,6 +263,9 @@ def test_readme_command(cmd: str, tmp_path: Path, profile: str) -> None:
         if smoke.kind == "calibrate":
             if saved is None:
                 prof.unlink(missing_ok=True)
+                for d in reversed(made):  # and the folders it made, when empty
+                    if d.exists() and not any(d.iterdir()):
+                        d.rmdir()
             else:
                 prof.write_bytes(saved)
     assert live_descendants(before) == [], f"processes left by {cmd}"
@@ -275,6 +280,8 @@ def test_readme_command(cmd: str, tmp_path: Path, profile: str) -> None:
         assert _missing(out, SWEEP_FILES + smoke.files) == [], cmd
         jobs = [d for d in out.iterdir() if d.is_dir() and d.name.isdigit()]
         assert jobs and all(_missing(d, RUN_FILES) == [] for d in jobs), (cmd, sorted(out.iterdir()))
+    elif smoke.kind == "calibrate":  # the run directory keeps a copy of the profile
+        assert _missing(out, smoke.files) == [], cmd
     elif smoke.kind == "report":
         assert _missing(Path(subs["run"]), ("report.md", "report.html")) == [], cmd
     elif smoke.kind == "train":
