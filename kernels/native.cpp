@@ -267,55 +267,41 @@ inline void exp_inplace(float* x, long n) {
 }
 
 // ------------------------------------------------------------------------------ micro-kernel
-// Accumulator sets (alternate k steps, summed at the end) would give small tiles more FMA chains
-// (a 2-row tile: ~45% -> ~60% of the peak in L2), but they change the summation order with the
-// tile height, i.e. with the number of tokens in the forward: one set keeps every output's sum
-// the same sequence over k for every T (batch invariance, see sequential_sum).
-template <int MR>
-constexpr int sets() {
-    return 1;
+// The weights of one K step of a panel in two fp32 vectors: fp32 as they are, bf16 widened.
+inline void load_step(const float* wk, vf& w0, vf& w1) {
+    w0 = vload(wk);
+    w1 = vload(wk + VL);
 }
+inline void load_step(const uint16_t* wk, vf& w0, vf& w1) { vwiden(wk, w0, w1); }
 
-template <int MR>
-inline void tile_f32(const float* panel, const float* xp, long k0, long k1, float* acc, bool first) {
-    constexpr int S = sets<MR>();
-    vf c[S][MR][2];
-    for (int s = 0; s < S; ++s)
-        for (int m = 0; m < MR; ++m) {
-            const bool zero = first || s > 0;  // the second set starts at 0 and is added at the end
-            c[s][m][0] = zero ? vzero() : vload(acc + m * NR);
-            c[s][m][1] = zero ? vzero() : vload(acc + m * NR + VL);
-        }
-    long k = k0;
-    for (; k + S <= k1; k += S)
-        for (int s = 0; s < S; ++s) {
-            const float* wk = panel + (k + s) * NR;
-            _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);
-            if constexpr (kPrefetchFar > 0) _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchFar, _MM_HINT_T1);
-            vf w0 = vload(wk), w1 = vload(wk + VL);
-            SB_IN_REGISTER(w0);
-            SB_IN_REGISTER(w1);
-            for (int m = 0; m < MR; ++m) {
-                const vf xb = vbcast(xp + (k + s) * MR + m);
-                c[s][m][0] = vfma(w0, xb, c[s][m][0]);
-                c[s][m][1] = vfma(w1, xb, c[s][m][1]);
-            }
-        }
-    for (; k < k1; ++k) {
-        const vf w0 = vload(panel + k * NR), w1 = vload(panel + k * NR + VL);
+// acc (MR x NR tile, fp32, row stride NR) += x block (packed, MR tokens) times steps [k0, k1) of
+// one panel. One accumulator per output: every output's sum is the same sequence over k for
+// every tile height, i.e. for every number of tokens in the forward (batch invariance, see
+// sequential_sum). Split accumulators would give small tiles more FMA chains (a 2-row tile:
+// ~45% -> ~60% of the peak in L2) at the price of that invariance.
+template <int MR, typename W>
+inline void tile_steps(const W* panel, const float* xp, long k0, long k1, float* acc, bool first) {
+    vf c[MR][2];
+    for (int m = 0; m < MR; ++m) {
+        c[m][0] = first ? vzero() : vload(acc + m * NR);
+        c[m][1] = first ? vzero() : vload(acc + m * NR + VL);
+    }
+    for (long k = k0; k < k1; ++k) {
+        const W* wk = panel + k * NR;
+        _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);
+        vf w0, w1;
+        load_step(wk, w0, w1);
+        SB_IN_REGISTER(w0);
+        SB_IN_REGISTER(w1);
         for (int m = 0; m < MR; ++m) {
             const vf xb = vbcast(xp + k * MR + m);
-            c[0][m][0] = vfma(w0, xb, c[0][m][0]);
-            c[0][m][1] = vfma(w1, xb, c[0][m][1]);
+            c[m][0] = vfma(w0, xb, c[m][0]);
+            c[m][1] = vfma(w1, xb, c[m][1]);
         }
     }
     for (int m = 0; m < MR; ++m) {
-        for (int s = 1; s < S; ++s) {
-            c[0][m][0] = c[0][m][0] + c[s][m][0];
-            c[0][m][1] = c[0][m][1] + c[s][m][1];
-        }
-        vstore(acc + m * NR, c[0][m][0]);
-        vstore(acc + m * NR + VL, c[0][m][1]);
+        vstore(acc + m * NR, c[m][0]);
+        vstore(acc + m * NR + VL, c[m][1]);
     }
 }
 
@@ -323,105 +309,47 @@ inline void tile_f32(const float* panel, const float* xp, long k0, long k1, floa
 // bf16 with AVX512-BF16: per K pair, vdpbf16ps multiplies 16 features x 2 k exactly and adds
 // both products to the fp32 lanes; xp holds the block's bf16 pairs [K/2][MR] (as 32-bit words).
 template <int MR>
-inline void tile_bf16(const uint16_t* panel, const float* xp_, long k0, long k1, float* acc, bool first) {
+inline void tile_pairs(const uint16_t* panel, const float* xp_, long k0, long k1, float* acc, bool first) {
     const uint32_t* xp = reinterpret_cast<const uint32_t*>(xp_);
-    constexpr int S = sets<MR>();
-    vf c[S][MR][2];
-    for (int s = 0; s < S; ++s)
-        for (int m = 0; m < MR; ++m) {
-            const bool zero = first || s > 0;  // the second set starts at 0 and is added at the end
-            c[s][m][0] = zero ? vzero() : vload(acc + m * NR);
-            c[s][m][1] = zero ? vzero() : vload(acc + m * NR + VL);
-        }
-    long j = k0 / 2;  // chunk bounds are even
-    const long j1 = (k1 + 1) / 2;
-    for (; j + S <= j1; j += S)
-        for (int s = 0; s < S; ++s) {
-            const uint16_t* wk = panel + (j + s) * 2 * NR;
-            _mm_prefetch(reinterpret_cast<const char*>(wk) + 2 * kPrefetch, _MM_HINT_T0);
-            __m512i w0i = _mm512_loadu_si512(wk), w1i = _mm512_loadu_si512(wk + 2 * VL);
-            SB_IN_REGISTER(w0i);
-            SB_IN_REGISTER(w1i);
-            const __m512bh w0 = (__m512bh)w0i, w1 = (__m512bh)w1i;
-            for (int m = 0; m < MR; ++m) {
-                const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[(j + s) * MR + m]));
-                c[s][m][0] = _mm512_dpbf16_ps(c[s][m][0], w0, xb);
-                c[s][m][1] = _mm512_dpbf16_ps(c[s][m][1], w1, xb);
-            }
-        }
-    for (; j < j1; ++j) {
+    vf c[MR][2];
+    for (int m = 0; m < MR; ++m) {
+        c[m][0] = first ? vzero() : vload(acc + m * NR);
+        c[m][1] = first ? vzero() : vload(acc + m * NR + VL);
+    }
+    for (long j = k0 / 2; j < (k1 + 1) / 2; ++j) {  // chunk bounds are even
         const uint16_t* wk = panel + j * 2 * NR;
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 2 * VL);
+        _mm_prefetch(reinterpret_cast<const char*>(wk) + 2 * kPrefetch, _MM_HINT_T0);
+        __m512i w0i = _mm512_loadu_si512(wk), w1i = _mm512_loadu_si512(wk + 2 * VL);
+        SB_IN_REGISTER(w0i);
+        SB_IN_REGISTER(w1i);
+        const __m512bh w0 = (__m512bh)w0i, w1 = (__m512bh)w1i;
         for (int m = 0; m < MR; ++m) {
             const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[j * MR + m]));
-            c[0][m][0] = _mm512_dpbf16_ps(c[0][m][0], w0, xb);
-            c[0][m][1] = _mm512_dpbf16_ps(c[0][m][1], w1, xb);
+            c[m][0] = _mm512_dpbf16_ps(c[m][0], w0, xb);
+            c[m][1] = _mm512_dpbf16_ps(c[m][1], w1, xb);
         }
     }
     for (int m = 0; m < MR; ++m) {
-        for (int s = 1; s < S; ++s) {
-            c[0][m][0] = _mm512_add_ps(c[0][m][0], c[s][m][0]);
-            c[0][m][1] = _mm512_add_ps(c[0][m][1], c[s][m][1]);
-        }
-        vstore(acc + m * NR, c[0][m][0]);
-        vstore(acc + m * NR + VL, c[0][m][1]);
-    }
-}
-#else
-// bf16 weights widened in registers (one load -> the panel's two vectors, see the top).
-template <int MR>
-inline void tile_bf16(const uint16_t* panel, const float* xp, long k0, long k1, float* acc, bool first) {
-    constexpr int S = sets<MR>();
-    vf c[S][MR][2];
-    for (int s = 0; s < S; ++s)
-        for (int m = 0; m < MR; ++m) {
-            const bool zero = first || s > 0;  // the second set starts at 0 and is added at the end
-            c[s][m][0] = zero ? vzero() : vload(acc + m * NR);
-            c[s][m][1] = zero ? vzero() : vload(acc + m * NR + VL);
-        }
-    long k = k0;
-    for (; k + S <= k1; k += S)
-        for (int s = 0; s < S; ++s) {
-            const uint16_t* wk = panel + (k + s) * NR;
-            _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);
-            if constexpr (kPrefetchFar > 0) _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchFar, _MM_HINT_T1);
-            vf w0, w1;
-            vwiden(wk, w0, w1);
-            SB_IN_REGISTER(w0);
-            SB_IN_REGISTER(w1);
-            for (int m = 0; m < MR; ++m) {
-                const vf xb = vbcast(xp + (k + s) * MR + m);
-                c[s][m][0] = vfma(w0, xb, c[s][m][0]);
-                c[s][m][1] = vfma(w1, xb, c[s][m][1]);
-            }
-        }
-    for (; k < k1; ++k) {
-        vf w0, w1;
-        vwiden(panel + k * NR, w0, w1);
-        for (int m = 0; m < MR; ++m) {
-            const vf xb = vbcast(xp + k * MR + m);
-            c[0][m][0] = vfma(w0, xb, c[0][m][0]);
-            c[0][m][1] = vfma(w1, xb, c[0][m][1]);
-        }
-    }
-    for (int m = 0; m < MR; ++m) {
-        for (int s = 1; s < S; ++s) {
-            c[0][m][0] = c[0][m][0] + c[s][m][0];
-            c[0][m][1] = c[0][m][1] + c[s][m][1];
-        }
-        vstore(acc + m * NR, c[0][m][0]);
-        vstore(acc + m * NR + VL, c[0][m][1]);
+        vstore(acc + m * NR, c[m][0]);
+        vstore(acc + m * NR + VL, c[m][1]);
     }
 }
 #endif
 
 template <typename W>
 inline void tile(int mr, const W* panel, const float* xp, long k0, long k1, float* acc, bool first) {
-#define SB_TILE(M)                                                                                    \
-    case M:                                                                                           \
-        if constexpr (sizeof(W) == 4) tile_f32<M>(reinterpret_cast<const float*>(panel), xp, k0, k1, acc, first); \
-        else tile_bf16<M>(reinterpret_cast<const uint16_t*>(panel), xp, k0, k1, acc, first);          \
+#if defined(SB_BF16DOT)
+#define SB_TILE(M)                                                                                   \
+    case M:                                                                                          \
+        if constexpr (sizeof(W) == 2) tile_pairs<M>(reinterpret_cast<const uint16_t*>(panel), xp, k0, k1, acc, first); \
+        else tile_steps<M, W>(panel, xp, k0, k1, acc, first);                                        \
         break;
+#else
+#define SB_TILE(M)                                          \
+    case M:                                                 \
+        tile_steps<M, W>(panel, xp, k0, k1, acc, first);    \
+        break;
+#endif
     switch (mr) {
         SB_TILE(1) SB_TILE(2) SB_TILE(3) SB_TILE(4) SB_TILE(5) SB_TILE(6)
 #if defined(SB_AVX512)
