@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test test-all lint bench clean browser
+.PHONY: setup run test test-all lint bench clean browser gpu-wheels
 
 setup: $(STAMP)
 
@@ -42,6 +42,17 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+# The GPU check (scripts/gpu_check.sh) runs on a machine with torch + CUDA but no package
+# registry: the pure-Python packages its image lacks (scripts/gpu_wheels.txt) travel as wheels.
+GPU_WHEELS := .gpu-wheels
+GPU_PKGS = $(shell grep -v '^\#' scripts/gpu_wheels.txt)
+gpu-wheels: $(STAMP)
+	mkdir -p $(GPU_WHEELS)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux2014_x86_64 -d $(GPU_WHEELS) \
+	  $(filter-out antlr4%,$(GPU_PKGS))
+	$(PY) -m pip wheel --quiet --no-deps -w $(GPU_WHEELS) $(filter antlr4%,$(GPU_PKGS))
 
 clean:
 	rm -rf $(VENV) reports/runs reports/sweeps

@@ -73,10 +73,10 @@ def _load(exp: ExperimentConfig, role: str, params: SamplingParams):  # type: ig
     size): both groups tokenize the prompts alike."""
     from real.drafts import ModelDraft
     from real.engine import cache_slots
-    from real.loading import build_requests, load, make_draft
+    from real.loading import build_requests, load, make_draft, model_device
 
     t = exp.pair.target
-    target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp))
+    target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp), model_device(exp))
     requests = build_requests(exp, tokenizer, target.args.max_seq_len)
     eos = frozenset() if exp.real.ignore_eos else frozenset(tokenizer.eos_token_ids)
     target_slots, draft_slots = cache_slots(exp, requests)

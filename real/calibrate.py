@@ -46,6 +46,7 @@ import torch
 
 from real.calibrate_fit import isotonic, smooth_table
 from real.calibrate_links import measure_messages
+from real.runners import sync_device
 from testbed.config import ExperimentConfig, ModelConfig, real_dtype
 from testbed.paths import CONF_DIR, repo_path
 from testbed.paths import profile_path as testbed_profile_path
@@ -99,8 +100,10 @@ class Probes:
         for i in range(passes):
             rng.shuffle(keys)
             for k in keys:
+                sync_device()
                 t = time.perf_counter()
                 self.fns[k]()
+                sync_device()
                 self.samples.setdefault(k, []).append(time.perf_counter() - t)
             if log is not None:
                 log(f"pass {i + 1}/{passes} done (load {load_average()})")
@@ -309,6 +312,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
 
     grid = grid or Grid()
     from real.loading import DTYPES as dtypes
+    from real.loading import model_device
     started = time.perf_counter()
     load_before = load_average()
     probe_before = probe_record()  # the machine's speed now (sim.profile_drift=probe)
@@ -318,7 +322,8 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
         with torch.inference_mode():
             t = exp.pair.target
             target, tokenizer = load_model(None if t.path is None else repo_path(t.path),
-                                           dtype=dtypes[real_dtype(exp)], max_seq=64)
+                                           dtype=dtypes[real_dtype(exp)], device=model_device(exp),
+                                           max_seq=64)
             log(f"calibrating {t.name} on {exp.hardware.name}: {torch.get_num_threads()} threads, {real_dtype(exp)}")
             pr = Probes()
             builders = {t.name: add_target_probes(pr, target, grid)}

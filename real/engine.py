@@ -24,7 +24,7 @@ import torch
 from real.context import RealContext, RealRequest
 from real.drafts import Draft, ModelDraft
 from real.errors import RealSetupError
-from real.loading import build_requests, load, make_draft
+from real.loading import build_requests, load, make_draft, model_device
 from real.model import Transformer
 from real.probe_forward import RunProbe, role_probes
 from real.runners import TargetRunner
@@ -137,7 +137,7 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
     """Load, serve the prompts with the schedule and then ``ar``; ``tp`` = (index, degree,
     process group) shards both models over a tensor-parallel group first."""
     t = exp.pair.target
-    target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp))
+    target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp), model_device(exp))
     params = SamplingParams(exp.sampling.temperature, exp.sampling.top_k, exp.sampling.top_p)
     draft = make_draft(exp, target, tokenizer, params)
     if tp is not None:

@@ -20,7 +20,17 @@ BUNDLED_TARGET = "smollm2_135m"
 _MODELS: dict[tuple, tuple[Transformer, Tokenizer]] = {}  # loaded once per process (sweeps)
 
 
-def load(path: str | None, what: str, model_name: str, dtype: str) -> tuple[Transformer, Tokenizer]:
+def model_device(exp: ExperimentConfig) -> torch.device:
+    """Where this process runs its models: the host, or its GPU (a worker's ``place`` made it
+    the current one; ``real.device=cuda:N`` names one outright)."""
+    name = exp.real.device
+    if not name.startswith("cuda"):
+        return torch.device("cpu")
+    return torch.device(name) if ":" in name else torch.device("cuda", torch.cuda.current_device())
+
+
+def load(path: str | None, what: str, model_name: str, dtype: str,
+         device: torch.device | str = "cpu") -> tuple[Transformer, Tokenizer]:
     from real.weights import load_model
 
     if path is None and model_name != BUNDLED_TARGET:
@@ -31,9 +41,9 @@ def load(path: str | None, what: str, model_name: str, dtype: str) -> tuple[Tran
     if resolved is not None and not resolved.exists():
         raise WeightsNotFound(str(path), f"set {what}.path to an existing .gguf file or checkpoint "
                               "directory (config.json, *.safetensors, tokenizer.json)")
-    key = (str(resolved), dtype)
+    key = (str(resolved), dtype, str(device))
     if key not in _MODELS:
-        _MODELS[key] = load_model(resolved, dtype=DTYPES[dtype], max_seq=64)
+        _MODELS[key] = load_model(resolved, dtype=DTYPES[dtype], device=device, max_seq=64)
     return _MODELS[key]
 
 
@@ -44,7 +54,7 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     from real.weights import open_gguf
 
     resolved = None if path is None else repo_path(path)
-    for (loaded, _), (_, tokenizer) in _MODELS.items():
+    for (loaded, _, _), (_, tokenizer) in _MODELS.items():
         if loaded == str(resolved):
             return tokenizer
     if resolved is None:
@@ -76,7 +86,7 @@ def make_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tokenizer,
             raise RealSetupError(f"pair.draft.exit_layer={d.exit_layer} must be in [1, "
                                  f"{target.args.n_layers - 1}] for this target")
         return EarlyExitDraft(target, d.exit_layer, params)
-    model, tok = load(d.path, "pair.draft", d.name, real_dtype(exp))
+    model, tok = load(d.path, "pair.draft", d.name, real_dtype(exp), model_device(exp))
     check_vocab(tokenizer, target, tok, model, d.name)
     return ModelDraft(model, params, d.name)
 

@@ -112,6 +112,7 @@ class KVCache(nn.Module):
 
     def move(self, src: Tensor, dst: Tensor) -> None:
         """Copy slots ``src`` to slots ``dst`` (KV compaction after a tree verification)."""
+        src, dst = src.to(self.k_cache.device), dst.to(self.k_cache.device)
         for cache in (self.k_cache, self.v_cache):
             cache.index_copy_(2, dst, cache.index_select(2, src))
 
@@ -254,26 +255,39 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------------------ steps
     def embed(self, tokens: Tensor) -> Tensor:
         """tokens ``[B, T]`` -> hidden states ``[B, T, dim]``."""
-        return self.tok_embeddings(tokens)
+        return self.tok_embeddings(tokens.to(self.device, non_blocking=True))
 
     def head(self, h: Tensor) -> Tensor:
         """Final norm + LM head: hidden ``[B, T, dim]`` -> fp32 logits ``[B, T, vocab]``."""
         logits = kernels.linear(kernels.rms_norm(h, self.norm, self.args.norm_eps), self.output).float()
         if self.tp_vocab is None:
-            return logits
+            return self._to_host(logits)
         # a tensor-parallel rank holds vocabulary rows [lo, hi) (real.tp): its logits in place,
         # zeros elsewhere, summed over the ranks
         lo, hi = self.tp_vocab
         full = logits.new_zeros(*logits.shape[:-1], self.args.vocab_size)
         full[..., lo:hi] = logits
-        return self.tp_allreduce(full)
+        return self._to_host(self.tp_allreduce(full))
 
-    def _positions(self, t: int, input_pos: Tensor | int | None) -> Tensor:
+    def _to_host(self, logits: Tensor) -> Tensor:
+        """Logits leave a GPU here, once per forward: every caller decides on them next (a
+        token, an acceptance), and the algorithms of testbed/spec run on the host. Training
+        (autograd on) keeps them where they are."""
+        if logits.device.type == "cpu" or torch.is_grad_enabled():
+            return logits
+        return logits.cpu()
+
+    def _positions(self, t: int, input_pos: Tensor | int | None) -> tuple[Tensor, int, int]:
+        """(slots on the model's device, the last slot, the highest slot + 1), the two ints read
+        on the host: on a GPU, reading them from a device tensor would wait for every kernel
+        queued before this forward (callers pass host tensors or an int)."""
         if input_pos is None:
             input_pos = self.kv_len
         if isinstance(input_pos, int):
-            return torch.arange(input_pos, input_pos + t, device=self.device)
-        return input_pos
+            last = input_pos + t - 1
+            return torch.arange(input_pos, input_pos + t, device=self.device), last, last + 1
+        last, high = int(input_pos[-1]), int(input_pos.max()) + 1
+        return input_pos.to(self.device, non_blocking=True), last, high
 
     def forward_layers(self, h: Tensor, input_pos: Tensor | int | None = None, mask: Tensor | None = None,
                        lo: int = 0, hi: int | None = None, position_ids: Tensor | None = None,
@@ -290,20 +304,21 @@ class Transformer(nn.Module):
         ``kv_len`` is left alone.
         """
         hi = self.args.n_layers if hi is None else hi
+        h = h.to(self.device, non_blocking=True)  # a pipeline stage's input arrives on the host
         t = h.shape[1]
         if not cache and input_pos is not None:
             raise ValueError("cache=False writes no cache slots: pass RoPE positions as position_ids, "
                              "not input_pos")
-        pos = self._positions(t, input_pos if cache else 0)
-        rope_pos = pos if position_ids is None else position_ids
+        pos, last, high = self._positions(t, input_pos if cache else 0)
+        rope_pos = pos if position_ids is None else position_ids.to(self.device, non_blocking=True)
         cos, sin = self.rope_cos[rope_pos], self.rope_sin_signed[rope_pos]
         if mask is None:
-            last = int(pos[-1])
             kv_len, high = last + 1, last + 1
             if t > 1:
                 mask = torch.arange(kv_len, device=h.device)[None, :] <= pos[:, None]
         else:
-            kv_len, high = mask.shape[-1], int(pos.max()) + 1
+            mask = mask.to(self.device, non_blocking=True)
+            kv_len = mask.shape[-1]
             if high > kv_len:
                 raise ValueError(f"mask covers {kv_len} slots but a token is written at slot {high - 1}")
         if not cache:

@@ -83,7 +83,7 @@ def check(exp: ExperimentConfig) -> None:
 def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: real.worker.WorkerContext
     """One stage process (module level: spawned workers import it)."""
     from real.engine import cache_slots
-    from real.loading import build_requests, load, make_draft
+    from real.loading import build_requests, load, make_draft, model_device
 
     exp = ctx.exp
     stages = ctx.placement.stages()
@@ -94,7 +94,7 @@ def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: r
     served = StageServed(index)
     with torch.inference_mode():
         t = exp.pair.target
-        target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp))
+        target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp), model_device(exp))
         if target.args.n_layers != t.layers:  # the placement split the preset's layers
             raise RealSetupError(f"pair.target.layers={t.layers} but {t.path or t.name} has "
                                  f"{target.args.n_layers} layers: set pair.target.layers="

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from real.runners import sync_device
 from testbed.config import ExperimentConfig, ModelConfig, real_dtype
 from testbed.machine import FORWARD_PROBE_CONTEXT, FORWARD_PROBE_SMALL_K, FORWARD_PROBE_TOKENS
 
@@ -69,8 +70,10 @@ def time_functions(fns: ProbeFns, *, repeats: int = REPEATS, warmup: int = WARMU
             for name, fn in fns.items():
                 if align is not None:
                     align()
+                sync_device()
                 t = time.perf_counter()
                 fn()
+                sync_device()
                 if i >= warmup:
                     times[name].append(time.perf_counter() - t)
     return {name: round(statistics.median(ts), 7) for name, ts in times.items()}
@@ -84,7 +87,7 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
     """Median seconds of the probe forward per transformer model of ``exp``'s pair, measured
     now with ``real.threads`` intra-op threads (the profile's setting) — or reused from a
     reading less than ``REUSE_S`` seconds old."""
-    from real.loading import DTYPES
+    from real.loading import DTYPES, model_device
     from real.weights import load_model
     from testbed.paths import repo_path
 
@@ -99,7 +102,8 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
     try:
         if key not in _models:
             target, tokenizer = load_model(None if t.path is None else repo_path(t.path),
-                                           dtype=DTYPES[real_dtype(exp)], max_seq=PROBE_CONTEXT + 2)
+                                           dtype=DTYPES[real_dtype(exp)], device=model_device(exp),
+                                           max_seq=PROBE_CONTEXT + 2)
             _models.clear()  # one pair's models at a time
             drafts = [] if exp.schedule.name == "ar" else [d]
             _models[key] = probe_functions(exp, target, tokenizer, drafts)

@@ -17,6 +17,13 @@ from real.model import Transformer
 from testbed.spec.sampling import SamplingParams, standardize
 
 
+def sync_device() -> None:
+    """Wait for the GPU's queued work (a timer around a forward that returns no logits reads
+    the launch, not the work, without it); nothing on the CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 @torch.inference_mode()
 def prefill(model: Transformer, tokens: Sequence[int], *, last_logits: bool = False,
             ) -> torch.Tensor | None:

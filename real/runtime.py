@@ -260,7 +260,7 @@ def _launch_torchrun(exp: ExperimentConfig, fn: Callable[..., Any], args: tuple,
                              f"started {world}: run torchrun with --nnodes x --nproc-per-node = "
                              f"{pl.world_size}, or change placement.*")
     device = place(exp, local_rank, sorted(os.sched_getaffinity(0)))
-    dist.init_process_group(backend_name(), rank=rank, world_size=world,
+    dist.init_process_group(backend_name(exp, pl), rank=rank, world_size=world,
                             timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, exp.real.recv_timeout_s)))
     try:
         ctx = setup(exp, pl, rank, device, hosts)

@@ -79,6 +79,12 @@ class WorkerContext:
     def world_size(self) -> int:
         return self.placement.world_size
 
+    @property
+    def link_device(self) -> torch.device:
+        """Where this rank's messages and collectives live: its GPU, or the host when ranks share
+        a GPU (``shares_gpu``)."""
+        return torch.device("cpu") if shares_gpu(self.exp, self.placement) else self.device
+
     def now(self) -> float:
         """Seconds since the run's origin, on the clock every worker shares."""
         return time.perf_counter() - self.t0
@@ -111,13 +117,23 @@ class WorkerContext:
         if pg is None:
             return obj
         box = [obj if self.is_leader else None]
-        dev = self.device if self.device.type == "cuda" else None
+        dev = self.link_device if self.link_device.type == "cuda" else None
         dist.broadcast_object_list(box, src=self.group.leader, group=pg, device=dev)
         return box[0]
 
 
 # --------------------------------------------------------------------------- life cycle
-def backend_name() -> str:
+def shares_gpu(exp: ExperimentConfig, pl: Placement) -> bool:
+    """Several ranks on one GPU (a pipeline's stages sharing it): NCCL refuses two ranks on one
+    device, so such a run talks over gloo with host tensors (its links are emulated anyway)."""
+    if not exp.real.device.startswith("cuda"):
+        return False
+    return pl.world_size > max(1, torch.cuda.device_count())
+
+
+def backend_name(exp: ExperimentConfig | None = None, pl: Placement | None = None) -> str:
+    if exp is not None and pl is not None and shares_gpu(exp, pl):
+        return "gloo"
     return "cpu:gloo,cuda:nccl" if dist.is_nccl_available() else "gloo"
 
 
@@ -130,8 +146,9 @@ def die_with_parent() -> None:
 def place(exp: ExperimentConfig, local_rank: int, cpus: list[int]) -> torch.device:
     """Bind this process to its device: a GPU, or one core with one intra-op thread."""
     if exp.real.device.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = local_rank % max(1, torch.cuda.device_count())  # stages may share one GPU
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     os.sched_setaffinity(0, {cpus[local_rank % len(cpus)]})
     torch.set_num_threads(1)
     return torch.device("cpu")
@@ -157,7 +174,7 @@ def make_transports(ctx: WorkerContext) -> dict[str, Transport]:
             spec = next(lk for lk in pl.links if lk.name == name)
             links[(pl.group(spec.src).leader, pl.group(spec.dst).leader)] = spec
         t = DistTransport(
-            group=ctx.groups[ch.name], device=ctx.device, channel=ch.name, rank=ctx.rank,
+            group=ctx.groups[ch.name], device=ctx.link_device, channel=ch.name, rank=ctx.rank,
             names={r: pl.rank(r).describe() for r in ch.ranks}, links=links, seed=ctx.exp.seed,
             clock=ctx.now, recv_timeout_s=ctx.recv_timeout_s, rec=ctx.rec)
         if any(spec.emulated for spec in links.values()):
@@ -255,7 +272,7 @@ def worker_main(rank: int, exp: ExperimentConfig, pl: Placement, fn: Callable[..
     try:
         device = place(exp, rank, cpus)
         store = dist.FileStore(store_path, pl.world_size)
-        dist.init_process_group(backend_name(), store=store, rank=rank, world_size=pl.world_size,
+        dist.init_process_group(backend_name(exp, pl), store=store, rank=rank, world_size=pl.world_size,
                                 timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, exp.real.recv_timeout_s)))
         ctx = setup(exp, pl, rank, device, hosts=1)
         value = fn(ctx, *args)

@@ -227,9 +227,9 @@ def _check_real(exp: ExperimentConfig, kind: str, world: int, devices: int, host
             "pipeline": f"placement.nodes={pl.nodes} x placement.target_gpus={pl.target_gpus}",
             "tree": f"max(placement.target_gpus={pl.target_gpus}, placement.draft_gpus={pl.draft_gpus})",
             }.get(kind, f"placement.target_gpus={pl.target_gpus}")
-    # a pipeline's stages compute one after another (a window visits them in turn), so on CPU
-    # its one-process stages may share cores: N emulated nodes run on one small machine
-    shared = kind == "pipeline" and pl.target_gpus == 1 and not exp.real.device.startswith("cuda")
+    # a pipeline's stages compute one after another (a window visits them in turn), so its
+    # one-process stages may share cores or one GPU: N emulated nodes run on one small machine
+    shared = kind == "pipeline" and pl.target_gpus == 1
     if world > devices * hosts and not shared:
         have = f"this machine has {devices}" if hosts == 1 else f"{hosts} machines have {devices} each"
         key = {"async": "placement.draft_gpus", "pipeline": "placement.nodes"}.get(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from dataclasses import fields
 
 from testbed.config import (
     AcceptanceConfig,
@@ -56,6 +57,9 @@ def unused_settings(exp: ExperimentConfig) -> dict[str, str]:
         out["network"] = "links between nodes: schedule=decentralized (or ar with placement.nodes>1)"
     if exp.backend != "real":
         out["real"] = "backend=real"
+    elif exp.calibrate:  # +calibrate writes its profile to sim.profile_path (if set)
+        out.update({f"sim.{f.name}": "backend=sim" for f in fields(SimConfig) if f.name != "profile_path"})
+        out["acceptance"] = "backend=sim (the real backend's acceptance comes from its models)"
     else:
         out["sim"] = "backend=sim"
         out["acceptance"] = "backend=sim (the real backend's acceptance comes from its models)"

@@ -54,7 +54,7 @@ def standardize(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
             probs = torch.softmax(vals, dim=-1)
             if params.top_p < 1.0:
                 return _keep_head(x, probs, idx, params.top_p)
-            return torch.zeros(x.shape, dtype=torch.float32).scatter_(-1, idx, probs)
+            return torch.zeros(x.shape, dtype=torch.float32, device=x.device).scatter_(-1, idx, probs)
         x = x.masked_fill(x < vals[..., -1:], float("-inf"))  # ties kept, as HF does
     if params.top_p >= 1.0:
         return torch.softmax(x, dim=-1)
@@ -107,7 +107,7 @@ def _head_threshold(p: torch.Tensor, top_p: float) -> float:
     check of mass(p >= t) then gallops down the subsample until it holds."""
     sub = torch.sort(p[::_STRIDE], descending=True).values
     est = torch.cumsum(sub, dim=0)
-    j = int(torch.searchsorted(est / est[-1], torch.tensor([top_p]))[0])
+    j = int(torch.searchsorted(est / est[-1], torch.tensor([top_p], device=est.device))[0])
     j = min(len(sub) - 1, j + j // 4 + 2)
     while j < len(sub) - 1:
         t = float(sub[j])
@@ -126,7 +126,7 @@ def _keep_head(x: torch.Tensor, probs_sorted: torch.Tensor, idx: torch.Tensor,
     kept_mass = torch.where(before < top_p, probs_sorted, torch.zeros_like(probs_sorted))
     # renormalised on the head, then scattered: no pass over the vocabulary but the zeros
     kept_mass = kept_mass / kept_mass.sum(dim=-1, keepdim=True)
-    return torch.zeros(x.shape, dtype=torch.float32).scatter_(-1, idx, kept_mass)
+    return torch.zeros(x.shape, dtype=torch.float32, device=x.device).scatter_(-1, idx, kept_mass)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:

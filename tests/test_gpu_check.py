@@ -1,0 +1,120 @@
+"""The GPU check (scripts/gpu_check.sh): its dry run on this CPU, end to end, and the wheels it
+carries to a GPU machine that has no package registry."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[1]
+# What the GPU machine's image has (docs/gpu.md): the distributions the check may rely on there
+GPU_IMAGE = {
+    "torch", "triton", "numpy", "pandas", "pyarrow", "seaborn", "matplotlib", "networkx", "psutil",
+    "nvidia-ml-py", "safetensors", "tokenizers", "transformers", "jinja2", "rich", "tqdm", "pyyaml",
+    "filelock", "cloudpickle", "markdown-it-py", "scipy", "joblib", "packaging", "typing-extensions",
+    "pytest", "hypothesis", "accelerate", "sentencepiece", "requests", "pillow", "protobuf",
+}
+PROJECT = {"testbed", "sim", "real", "kernels", "scripts", "hydra_plugins", "tests", "benchmarks"}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _wheel_list() -> set[str]:
+    lines = (REPO / "scripts" / "gpu_wheels.txt").read_text().splitlines()
+    return {_norm(line.split("==")[0]) for line in lines if line.strip() and not line.startswith("#")}
+
+
+def _third_party_imports() -> set[str]:
+    """Top-level modules the project's runtime code imports (not its tests or benchmarks)."""
+    names: set[str] = set()
+    for pkg in ("testbed", "sim", "real", "kernels", "scripts", "hydra_plugins"):
+        for f in (REPO / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Import):
+                    names |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n not in PROJECT}
+
+
+def test_wheels_cover_every_import_the_gpu_image_lacks() -> None:
+    wheels = _wheel_list()
+    dists = md.packages_distributions()
+    missing = []
+    for module in sorted(_third_party_imports()):
+        owners = {_norm(d) for d in dists.get(module, [])}
+        assert owners, f"import {module!r}: no installed distribution provides it"
+        if not owners & (GPU_IMAGE | wheels):
+            missing.append(f"{module} ({', '.join(sorted(owners))})")
+    assert not missing, f"imported, not in the GPU image and not in scripts/gpu_wheels.txt: {missing}"
+    # and what those wheels need in turn is there too (pip installs them with --no-deps)
+    for dist in sorted(wheels):
+        for line in md.requires(dist) or []:
+            req = Requirement(line)
+            if req.marker is not None and not req.marker.evaluate({"python_version": "3.12", "extra": ""}):
+                continue  # an extra, or for another Python
+            name = _norm(req.name)
+            assert name in GPU_IMAGE | wheels, f"{dist} requires {name}, which the GPU machine lacks"
+
+
+def test_wheel_folder_matches_the_list_when_built() -> None:
+    folder = REPO / ".gpu-wheels"
+    if not folder.is_dir():
+        pytest.skip("no .gpu-wheels/ here (`make gpu-wheels` builds it)")
+    built = {_norm(w.name.split("-")[0]) for w in folder.glob("*.whl")}
+    assert _wheel_list() <= built, f"`make gpu-wheels` again: missing {_wheel_list() - built}"
+
+
+def test_dry_run_end_to_end(tmp_path: Path) -> None:
+    """`scripts/gpu_check.sh --device cpu --tiny`: every schedule of the dry run equals `ar` at
+    temperature 0, each run wrote telemetry, the k-token table and the summary files exist."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("OUT", None)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--device", "cpu", "--tiny",
+                           "--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "240"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((out / "gpu_check.json").read_text())
+    assert (out / "gpu_check.md").read_text().startswith("# GPU check")
+    from scripts.gpu_check import TINY_RUNS
+
+    runs = {r["run"]: r for r in s["runs"]}
+    assert set(runs) == {"ar", *TINY_RUNS}, (set(runs), s["skipped"])
+    for name, r in runs.items():
+        assert "error" not in r, (name, r.get("error"))
+        assert r["equal_ar"] is True, name
+        assert r["tokens_per_s"] > 0 and r["telemetry"] is True, name
+    assert all(0 < runs[n]["alpha"] <= 1 for n in TINY_RUNS)  # the draft is neither always right nor never
+    assert runs[TINY_RUNS[0]]["sim_roofline_tokens_per_s"] > 0  # the simulator's prediction of it
+    assert [r["k"] for r in s["forwards"]] == [1, 2, 4, 8, 16]
+    assert all(r["eager_ms"] > 0 and r["roofline_ms"] > 0 for r in s["forwards"])
+    assert all(step["ok"] for step in s["steps"]), s["steps"]
+    assert s["all_equal_ar"] is True
+    left = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not left, f"processes left behind: {left}"
+
+
+def test_missing_wheels_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Without hydra & co. and without wheels the script says what to do and exits 2."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexit 1\n")  # an interpreter where no import works
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "PYTHON": str(fake), "GPU_WHEELS": str(tmp_path / "none")},
+                          timeout=30)
+    assert proc.returncode == 2
+    assert "make gpu-wheels" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
