@@ -76,7 +76,8 @@ def _load(exp: ExperimentConfig, role: str, params: SamplingParams):  # type: ig
     from real.loading import build_requests, load, make_draft, model_device
 
     t = exp.pair.target
-    target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp), model_device(exp))
+    target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp), model_device(exp),
+                             cuda_graphs=exp.real.cuda_graphs)
     requests = build_requests(exp, tokenizer, target.args.max_seq_len)
     eos = frozenset() if exp.real.ignore_eos else frozenset(tokenizer.eos_token_ids)
     target_slots, draft_slots = cache_slots(exp, requests)

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from real.model import Transformer
-from real.runners import prefill
+from real.runners import chain_logits, prefill
 from testbed.spec.lookahead import ONE_HOT_FEATURES, Decision, LookaheadPolicy, draft_token_features
 from testbed.spec.ngram import ngram_lookup
 from testbed.spec.sampling import SamplingParams, sample, standardize
@@ -122,6 +122,8 @@ class ModelDraft(_ForwardDraft):
         self.cached = len(prompt_ids) - 1
 
     def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
+        if self.model.graph_forwards is not None:
+            return chain_logits(self.model, tokens, start)[-1]
         x = torch.tensor([tokens], device=self.model.device)
         h = self.model.forward_layers(self.model.embed(x), start)
         return self.model.head(h[:, -1:])[0, -1]

@@ -137,7 +137,8 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
     """Load, serve the prompts with the schedule and then ``ar``; ``tp`` = (index, degree,
     process group) shards both models over a tensor-parallel group first."""
     t = exp.pair.target
-    target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp), model_device(exp))
+    target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp), model_device(exp),
+                             cuda_graphs=exp.real.cuda_graphs)
     params = SamplingParams(exp.sampling.temperature, exp.sampling.top_k, exp.sampling.top_p)
     draft = make_draft(exp, target, tokenizer, params)
     if tp is not None:

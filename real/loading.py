@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from real.context import RealRequest
+from real.cuda_graphs import GraphedForwards
 from real.drafts import Draft, EarlyExitDraft, ModelDraft, NgramDraft
 from real.errors import RealSetupError, WeightsNotFound
 from real.model import Transformer
@@ -30,7 +31,7 @@ def model_device(exp: ExperimentConfig) -> torch.device:
 
 
 def load(path: str | None, what: str, model_name: str, dtype: str,
-         device: torch.device | str = "cpu") -> tuple[Transformer, Tokenizer]:
+         device: torch.device | str = "cpu", *, cuda_graphs: bool = False) -> tuple[Transformer, Tokenizer]:
     from real.weights import load_model
 
     if path is None and model_name != BUNDLED_TARGET:
@@ -44,6 +45,9 @@ def load(path: str | None, what: str, model_name: str, dtype: str,
     key = (str(resolved), dtype, str(device))
     if key not in _MODELS:
         _MODELS[key] = load_model(resolved, dtype=DTYPES[dtype], device=device, max_seq=64)
+    model = _MODELS[key][0]
+    # chain forwards replayed from CUDA graphs (real.cuda_graphs): set per run, the model is shared
+    model.graph_forwards = GraphedForwards(model) if cuda_graphs and torch.device(device).type == "cuda" else None
     return _MODELS[key]
 
 
@@ -86,7 +90,8 @@ def make_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tokenizer,
             raise RealSetupError(f"pair.draft.exit_layer={d.exit_layer} must be in [1, "
                                  f"{target.args.n_layers - 1}] for this target")
         return EarlyExitDraft(target, d.exit_layer, params)
-    model, tok = load(d.path, "pair.draft", d.name, real_dtype(exp), model_device(exp))
+    model, tok = load(d.path, "pair.draft", d.name, real_dtype(exp), model_device(exp),
+                      cuda_graphs=exp.real.cuda_graphs)
     check_vocab(tokenizer, target, tok, model, d.name)
     return ModelDraft(model, params, d.name)
 

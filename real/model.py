@@ -207,6 +207,8 @@ class Transformer(nn.Module):
         # per-layer sums run as module hooks; a kernel fusing several layers must call it too.
         self.tp_allreduce = None
         self.tp_vocab: tuple[int, int] | None = None  # (lo, hi): this rank's LM-head rows under TP
+        # real.cuda_graphs.GraphedForwards when chain forwards replay CUDA graphs (real.loading)
+        self.graph_forwards = None
 
     # ------------------------------------------------------------------------------ setup
     @property

@@ -94,7 +94,8 @@ def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: r
     served = StageServed(index)
     with torch.inference_mode():
         t = exp.pair.target
-        target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp), model_device(exp))
+        target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp), model_device(exp),
+                             cuda_graphs=exp.real.cuda_graphs)
         if target.args.n_layers != t.layers:  # the placement split the preset's layers
             raise RealSetupError(f"pair.target.layers={t.layers} but {t.path or t.name} has "
                                  f"{target.args.n_layers} layers: set pair.target.layers="

@@ -87,6 +87,7 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
     """Median seconds of the probe forward per transformer model of ``exp``'s pair, measured
     now with ``real.threads`` intra-op threads (the profile's setting) — or reused from a
     reading less than ``REUSE_S`` seconds old."""
+    from real.cuda_graphs import GraphedForwards
     from real.loading import DTYPES, model_device
     from real.weights import load_model
     from testbed.paths import repo_path
@@ -104,6 +105,8 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
             target, tokenizer = load_model(None if t.path is None else repo_path(t.path),
                                            dtype=DTYPES[real_dtype(exp)], device=model_device(exp),
                                            max_seq=PROBE_CONTEXT + 2)
+            target.graph_forwards = (GraphedForwards(target) if exp.real.cuda_graphs
+                                     and target.device.type == "cuda" else None)
             _models.clear()  # one pair's models at a time
             drafts = [] if exp.schedule.name == "ar" else [d]
             _models[key] = probe_functions(exp, target, tokenizer, drafts)

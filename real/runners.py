@@ -50,5 +50,14 @@ class TargetRunner:
     @torch.inference_mode()
     def probs(self, tokens: list[int], start: int) -> torch.Tensor:
         """Feed ``tokens`` at slots ``start..``; the target's distributions after each, ``[T, V]``."""
-        x = torch.tensor([tokens], device=self.model.device)
-        return standardize(self.model(x, input_pos=start)[0], self.params)
+        return standardize(chain_logits(self.model, tokens, start), self.params)
+
+
+def chain_logits(model: Transformer, tokens: list[int], start: int) -> torch.Tensor:
+    """fp32 logits ``[T, V]`` (on the host) after feeding ``tokens`` at slots ``start..``: replayed
+    from a CUDA graph where the model has them (real.cuda_graphs), else the eager forward."""
+    graphs = model.graph_forwards
+    logits = graphs.logits(tokens, start) if graphs is not None else None
+    if logits is None:
+        logits = model(torch.tensor([tokens], device=model.device), input_pos=start)[0]
+    return logits

@@ -33,6 +33,8 @@ REPO = gm.REPO
 # (label, overrides) of the real runs after `ar`; each is compared with `ar`'s outputs
 RUNS = [  # most telling first: the budget skips from the end
     ("sync g4", ["schedule=sync", "schedule.gamma=4"]),
+    ("ar eager", ["schedule=ar", "real.baseline=false", "real.cuda_graphs=false"]),
+    ("sync g4 eager", ["schedule=sync", "schedule.gamma=4", "real.cuda_graphs=false"]),
     ("serial tree", ["schedule=sync", "schedule.tree=true", "schedule.gamma=4"]),
     ("decentralized N=2", ["schedule=decentralized", "placement.nodes=2", "placement.target_gpus=1",
                            "network=wan", "schedule.gamma=4"]),
@@ -212,7 +214,23 @@ class Check:
                     if row["run"].startswith("sync") and "error" not in row and self.left_s() > 30:
                         overrides = dict(RUNS)[row["run"]]
                         row |= self.predict(row["run"], overrides, Path(row["run_dir"]), row)
+        if not a.tiny:
+            self.step("device tests", self.device_tests)
         return self.summary(info, peaks, forwards)
+
+    def device_tests(self) -> None:
+        """The tests that only a machine like this one runs in full: the CUDA-graph replay
+        against eager, and the native CPU kernels on this host's SIMD (AVX-512/AMX hosts)."""
+        if self.left_s() < 30:
+            self.skipped.append(f"device tests: {self.left_s():.0f} s of the budget left")
+            return
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "tests/test_cuda_graphs.py", "tests/test_native_kernels.py"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=max(30.0, self.left_s()))
+        self.device_tests_result = (proc.stdout.strip().splitlines() or [""])[-1]
+        if proc.returncode != 0:
+            raise RuntimeError(f"pytest exit {proc.returncode}: {self.device_tests_result}")
 
     def forwards(self, target: Path) -> list[dict]:
         from real.weights import load_model
@@ -237,7 +255,7 @@ class Check:
         self.profile = str(profile) if profile.is_file() else ""
 
     def summary(self, info: dict, peaks: dict, forwards: list[dict]) -> dict:
-        return {"machine": info, "peaks": peaks, "hardware_preset": self.preset, "tiny": self.args.tiny,
+        return {"machine": info, "peaks": peaks, "device_tests": getattr(self, "device_tests_result", None), "hardware_preset": self.preset, "tiny": self.args.tiny,
                 "forwards": forwards, "runs": self.runs, "steps": self.steps, "skipped": self.skipped,
                 "all_equal_ar": all(r.get("equal_ar") for r in self.runs if r["run"] != "ar")
                 and bool(self.runs) and all("error" not in r for r in self.runs),

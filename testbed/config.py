@@ -213,6 +213,8 @@ class SamplingConfig:
 class RealConfig:
     device: str = doc("cpu", "where the models run: cpu | cuda")
     dtype: str = doc("auto", "weights and activations: auto (bf16 where this host runs it faster: the native CPU kernels or a GPU; else fp32) | fp32 | bf16 | fp16")
+    cuda_graphs: bool = doc(True, "cuda: replay decode, draft and verification forwards (up to 16 "
+                            "tokens) from CUDA graphs instead of launching each kernel")
     threads: int = doc(0, "torch threads per process; 0 = torch's default", "threads")
     baseline: bool = doc(True, "also run `ar` on the same prompts to report the speedup")
     progress: bool = doc(True, "show a progress bar")

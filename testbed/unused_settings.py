@@ -55,6 +55,8 @@ def unused_settings(exp: ExperimentConfig) -> dict[str, str]:
         out["schedule.draft_topk"] = "schedule=decentralized (draft distributions on the wire)"
     if not uses_links(exp):
         out["network"] = "links between nodes: schedule=decentralized (or ar with placement.nodes>1)"
+    if exp.backend == "real" and not exp.real.device.startswith("cuda"):
+        out["real.cuda_graphs"] = "real.device=cuda"
     if exp.backend != "real":
         out["real"] = "backend=real"
     elif exp.calibrate:  # +calibrate writes its profile to sim.profile_path (if set)
