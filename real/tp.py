@@ -124,7 +124,9 @@ def apply_tp(model: Transformer, *, rank: int, world: int, group: dist.ProcessGr
     if model.tp_allreduce is not None:
         raise RuntimeError("apply_tp: this model is already sharded")
     if isinstance(allreduce, str):
-        allreduce = make(allreduce, group)
+        # on a GPU the group's collective is NCCL's (dist.all_reduce on device tensors); the
+        # shared-memory backend sums host memory
+        allreduce = make("gloo" if model.device.type == "cuda" else allreduce, group)
     if (allreduce.rank, allreduce.world) != (rank, world):
         raise ValueError(f"the all-reduce is rank {allreduce.rank} of {allreduce.world}, "
                          f"apply_tp was told rank {rank} of {world}")

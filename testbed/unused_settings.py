@@ -57,6 +57,8 @@ def unused_settings(exp: ExperimentConfig) -> dict[str, str]:
         out["network"] = "links between nodes: schedule=decentralized (or ar with placement.nodes>1)"
     if exp.backend == "real" and not exp.real.device.startswith("cuda"):
         out["real.cuda_graphs"] = "real.device=cuda"
+    if exp.backend == "real" and exp.real.device.startswith("cuda"):
+        out["real.allreduce"] = "real.device=cpu (on GPUs tensor parallelism sums with NCCL)"
     if exp.backend != "real":
         out["real"] = "backend=real"
     elif exp.calibrate:  # +calibrate writes its profile to sim.profile_path (if set)
