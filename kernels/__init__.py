@@ -19,10 +19,15 @@ calls it between the layers it fuses, or steps aside when it cannot.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
-import testbed  # noqa: F401  (torch's allocator on huge pages: set before torch is imported)
-from kernels import cpu, native, reference
+# torch's CPU allocator puts allocations of >= 2 MB on transparent huge pages when this is set
+# before its first allocation (a forward that streams weights from 4 KB pages took 1.3-1.45x as
+# long); testbed sets it too, for processes that never import the operators
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+from kernels import cpu, native, reference  # noqa: E402  (after the allocator setting)
 
 OPS: tuple[str, ...] = (
     "linear",

@@ -72,3 +72,15 @@ def test_backends_register_their_hooks_and_schedules(backend: str) -> None:
         registry.get("no_such_schedule")
     assert backends.hook("tokenizer") is backends.get("real").tokenizer
     assert backends.get("sim").replay_seconds is not None and backends.get("real").calibrate is not None
+
+
+def test_kernels_know_no_experiment() -> None:
+    """The operators import nothing of the testbed or a backend."""
+    offenders = []
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            offenders += [f"{path.name}:{node.lineno}: {n}" for n in names
+                          if n.split(".")[0] in ("testbed", *BACKEND_PACKAGES)]
+    assert offenders == []
