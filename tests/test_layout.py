@@ -1,4 +1,4 @@
-"""Layout rules (DESIGN.md): testbed imports no module of sim/ or real/, not even lazily (a
+"""Layout rules (docs/architecture.md): testbed imports no module of sim/ or real/, not even lazily (a
 backend is reached through testbed.backends); sim/ and real/ register the same way; the schedule
 table agrees with the files."""
 

@@ -74,18 +74,54 @@ def test_a_run_recorded_with_the_old_key_loads_in_gigabits() -> None:
     assert to_experiment(OmegaConf.create(d)).network.bandwidth_gbit_s == pytest.approx(1.0)
 
 
-def test_the_readme_settings_table_names_documented_settings_only() -> None:
-    """The README's `| key | meaning |` table names settings the schema documents (a renamed or
-    removed key there would send a reader to a setting that is refused)."""
+SETTINGS_TABLE = "| key | meaning |"
+# the pages with a settings table: the README's main settings, and every setting in docs/
+SETTINGS_PAGES = ("README.md", "docs/configuration.md")
+
+
+def settings_tables() -> dict[str, str]:
+    """Every `| key | meaning |` table of README.md and docs/*.md, by page (a page may hold
+    several: each is one entry, ``page#n``)."""
+    root = CONF_DIR.parent
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    out = {}
+    for page in pages:
+        parts = page.read_text().split(SETTINGS_TABLE)[1:]
+        for n, rest in enumerate(parts):
+            out[f"{page.relative_to(root)}#{n}"] = rest.split("\n\n", 1)[0]
+    return out
+
+
+def table_keys(table: str) -> set[str]:
+    """The settings (`group.key`) a settings table names."""
     import re
 
-    readme = (CONF_DIR.parent / "README.md").read_text()
-    table = readme.split("| key | meaning |", 1)[1].split("\n\n", 1)[0]
-    keys = {k for k in re.findall(r"`([a-z_]+\.[a-z_0-9.]+)[`=\\]", table)
-            if ".." not in k and not k.startswith(PRESETS) and k.split(".")[0] in {s.split(".")[0] for s in setting_docs()}}
-    assert keys, "no settings found in the README's table"
+    groups = {s.split(".")[0] for s in setting_docs()}
+    return {k for k in re.findall(r"`([a-z_]+\.[a-z_0-9.]+)[`=\\]", table)
+            if ".." not in k and not k.startswith(PRESETS) and k.split(".")[0] in groups}
+
+
+def test_the_settings_tables_name_documented_settings_only() -> None:
+    """Every `| key | meaning |` table of the README and of docs/ names settings the schema
+    documents (a renamed or removed key there would send a reader to a setting that is refused),
+    and the README and docs/configuration.md each have one."""
+    tables = settings_tables()
+    for page in SETTINGS_PAGES:
+        assert f"{page}#0" in tables, f"{page} has no settings table ({SETTINGS_TABLE})"
     docs = setting_docs()
-    assert sorted(k for k in keys if k not in docs) == []
+    for where, table in tables.items():
+        keys = table_keys(table)
+        assert keys, f"no settings found in the table of {where}"
+        assert sorted(k for k in keys if k not in docs) == [], where
+
+
+def test_the_readme_settings_are_in_the_full_table() -> None:
+    """The README's table is a summary of docs/configuration.md's: every setting it names is
+    there too, so the full table stays the complete one."""
+    tables = settings_tables()
+    readme = set().union(*(table_keys(t) for w, t in tables.items() if w.startswith("README.md#")))
+    full = set().union(*(table_keys(t) for w, t in tables.items() if w.startswith("docs/configuration.md#")))
+    assert sorted(readme - full) == []
 
 
 def test_the_rename_keeps_finished_sweep_jobs_done() -> None:

@@ -1,5 +1,5 @@
 """The validation report: sim and real joined on the experiment key, error_pct signed, the
-calibrate split left out, validation.csv with DESIGN.md's columns."""
+calibrate split left out, validation.csv with the columns of docs/calibration.md."""
 
 from __future__ import annotations
 
