@@ -1,6 +1,6 @@
 """What every setting means and its unit, read from the config dataclasses' own field docs
-(``testbed.config.doc``): one source for ``--help``, the validation messages and the README's
-settings table; and the settings that were renamed, refused with a one-line hint."""
+(``testbed.config.doc``): one source for ``--help``, the validation messages and the settings tables of the README
+and docs/configuration.md; and the settings that were renamed, refused with a one-line hint."""
 
 from __future__ import annotations
 

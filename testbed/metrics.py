@@ -1,4 +1,4 @@
-"""The metric definitions of DESIGN.md — one definition for both backends.
+"""The metric definitions (README "Outputs", docs/architecture.md) — one definition for both backends.
 
 - tokens_per_s: generated tokens / decode wall time, per request, then the mean over requests
   (prefill excluded; reported separately as prefill_s, the mean per request).

@@ -2,7 +2,7 @@
 
 Backends call the recorder from their schedules; appends are plain tuples into lists so the
 simulator's hot loop stays cheap. ``frames()`` turns them into the three DataFrames whose
-schema DESIGN.md fixes (rounds.parquet, requests.parquet, timeline.parquet).
+schema the README's output table documents (rounds.parquet, requests.parquet, timeline.parquet).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Joins `backend=sim` and `backend=real` runs on the experiment key (every key fie
 `backend`, plus the prompt split: a `test` (or `holdout`) prediction is compared with the
 measurement on the same split; real runs on the trace-source splits `trace`/`calibrate` fed the
 prediction and are not compared) and,
-per metric, reports ``error_pct = 100 · (predicted − measured) / measured`` (DESIGN.md).
+per metric, reports ``error_pct = 100 · (predicted − measured) / measured`` (docs/calibration.md).
 Writes ``validation.csv`` (experiment key, metric, predicted, measured, error_pct), draws a
 parity plot (predicted against measured, y = x dashed) and states the headline: median and
 worst |error| of tokens/s against the fidelity target (≤ 5 % median, ≤ 15 % worst).
