@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_verify import DTYPES, gemm_peak, model_cost, read_bandwidth
+from roofline_probes import DTYPES, gemm_peak, model_cost, read_bandwidth
 
 from real.weights import load_model
 
