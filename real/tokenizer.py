@@ -81,7 +81,7 @@ class Tokenizer:
             cached = cls._from_cache(cache)
             if cached is not None:
                 return cached
-            from real.weights import open_gguf
+            from real.paths import open_gguf
 
             tok = cls.from_gguf(open_gguf(source))
             tok._to_cache(cache)

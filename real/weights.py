@@ -21,7 +21,7 @@ from torch import Tensor
 
 from real.errors import INSTALL_BUNDLED, UnsupportedCheckpoint, WeightsNotFound
 from real.model import ModelArgs, Transformer
-from real.paths import BUNDLED_FILE, BUNDLED_PACKAGE, bundled_gguf_path  # noqa: F401 (re-exported)
+from real.paths import BUNDLED_FILE, BUNDLED_PACKAGE, bundled_gguf_path, open_gguf  # noqa: F401 (re-exported)
 from real.tokenizer import Tokenizer
 
 _GGUF_LAYER_NAMES = {
@@ -105,21 +105,6 @@ def gguf_hf_state(reader, args: ModelArgs) -> dict[str, Tensor]:
             w = np.array(w, copy=True)
         out[name] = torch.from_numpy(w)
     return out
-
-
-def open_gguf(path: str | Path):
-    """A ``gguf.GGUFReader`` (parsing the metadata takes ~2 s: open once, share it)."""
-    import gguf
-
-    path = Path(path)
-    if not path.is_file():
-        raise WeightsNotFound(str(path), "pass an existing .gguf file, or no path for the bundled "
-                              f"SmolLM2 ({INSTALL_BUNDLED})")
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # empty, truncated or not GGUF at all: gguf raises several kinds
-        raise UnsupportedCheckpoint(f"{path}: not a readable GGUF file ({e}); pass a valid .gguf "
-                                    "or an HF checkpoint directory") from None
 
 
 def load_gguf(source) -> tuple[ModelArgs, dict[str, Tensor]]:

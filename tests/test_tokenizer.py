@@ -87,8 +87,8 @@ def test_a_gguf_tokenizer_is_cached_as_json_and_rebuilt_when_the_file_changes(tm
     import os
     import shutil
 
+    import real.paths
     import real.tokenizer as rt
-    import real.weights
     from real.paths import bundled_gguf_path
 
     gguf = tmp_path / "model.gguf"
@@ -99,8 +99,8 @@ def test_a_gguf_tokenizer_is_cached_as_json_and_rebuilt_when_the_file_changes(tm
     assert cache.is_file()
 
     opened = []
-    real_open = real.weights.open_gguf
-    monkeypatch.setattr(real.weights, "open_gguf", lambda p: opened.append(p) or real_open(p))
+    real_open = real.paths.open_gguf
+    monkeypatch.setattr(real.paths, "open_gguf", lambda p: opened.append(p) or real_open(p))
     again = Tokenizer.from_gguf(gguf)
     assert opened == []  # from the cache
     for text in TEXTS:
