@@ -29,9 +29,7 @@ records the load average before and after, and calibration can be rerun in a few
 
 from __future__ import annotations
 
-import copy
 import datetime as _dt
-import inspect
 import os
 import platform
 import shutil
@@ -44,19 +42,20 @@ from typing import Any
 
 import torch
 
+from real.calibrate_drafts import TEMPERATURES, drafts_to_measure
+from real.calibrate_drafts import make_draft as _make_draft
 from real.calibrate_fit import isotonic, smooth_table
 from real.calibrate_links import measure_messages
 from real.runners import sync_device
 from testbed.config import ExperimentConfig, ModelConfig, real_dtype
-from testbed.paths import CONF_DIR, repo_path
 from testbed.paths import profile_path as testbed_profile_path
+from testbed.paths import repo_path
 
 SCHEMA = 2  # 2: per-model "tp" tables, "allreduce", links.gloo_round_trip (real/calibrate_tp.py)
 # real.threads=0 (torch's default): one intra-op thread, as a device is one core to the sweeps
 # (`real.threads: 1` in conf/sweep/) and to every multi-process worker, so that the profile
 # `+calibrate` writes is the one the README's sweeps read
 PROFILE_THREADS = 1
-TEMPERATURES = {"greedy": 0.0, "sample": 1.0}
 
 
 @dataclass
@@ -141,48 +140,6 @@ def load_average() -> list[float] | None:
 
 
 # ------------------------------------------------------------------------------------ models
-def _draft_presets(target: ModelConfig) -> list[ModelConfig]:
-    """Every model preset that can draft for `target` on this machine."""
-    from omegaconf import OmegaConf
-
-    conf = CONF_DIR / "model"
-    out = []
-    for f in sorted(conf.glob("*.yaml")):
-        m = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(f)))
-        assert isinstance(m, ModelConfig)
-        if m.name == target.name:
-            continue
-        if m.kind == "ngram":
-            out.append(m)
-        elif m.kind == "early_exit":
-            if 1 <= m.exit_layer < target.layers and (m.tokenizer or target.tokenizer) == target.tokenizer:
-                out.append(m)
-        elif m.tokenizer and m.tokenizer == target.tokenizer and m.path and repo_path(m.path).exists():
-            out.append(m)
-    return out
-
-
-def drafts_to_measure(exp: ExperimentConfig) -> list[ModelConfig]:
-    """The pair's draft first (when it can run here), then every other available draft."""
-    found = {m.name: m for m in _draft_presets(exp.pair.target)}
-    d = exp.pair.draft
-    runnable = d.kind != "transformer" or (d.path is not None and repo_path(d.path).exists())
-    if d.name and d.name not in found and runnable:
-        found = {d.name: d, **found}
-    return list(found.values())
-
-
-def _make_draft(exp: ExperimentConfig, draft: ModelConfig, target: Any, tokenizer: Any, params: Any) -> Any:
-    from real import loading
-
-    e = copy.deepcopy(exp)
-    e.pair.draft = draft
-    e.schedule.name = "sync"
-    n_args = len(inspect.signature(loading.make_draft).parameters)
-    args = (e, target, tokenizer, params)[:n_args]
-    return loading.make_draft(*args)
-
-
 def _pick(greedy: bool, gen: torch.Generator) -> Callable[[torch.Tensor], int]:
     from testbed.spec.sampling import sample
 

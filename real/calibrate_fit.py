@@ -7,7 +7,6 @@ from __future__ import annotations
 import statistics
 
 SCHEMA = 2  # 2: per-model "tp" tables, "allreduce", links.gloo_round_trip (real/calibrate_tp.py)
-TEMPERATURES = {"greedy": 0.0, "sample": 1.0}
 
 
 

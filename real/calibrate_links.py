@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 SCHEMA = 2  # 2: per-model "tp" tables, "allreduce", links.gloo_round_trip (real/calibrate_tp.py)
-TEMPERATURES = {"greedy": 0.0, "sample": 1.0}
 
 
 

@@ -203,7 +203,7 @@ def time_ngram_expansions(ngram: int, vocab: int, params: SamplingParams, *,
 def add_ngram_tree_tables(models: dict[str, Any], drafts: list[Any], vocab: int, log: Any = print) -> None:
     """"tree_expand" and "tree_rounds" for every n-gram draft of ``drafts`` (the target's
     ``vocab``): whole expansions, and the per-round select and re-root."""
-    from real.calibrate import TEMPERATURES
+    from real.calibrate_drafts import TEMPERATURES
     from testbed.spec.ngram import NgramTreeSource
 
     for d in drafts:
@@ -227,7 +227,7 @@ def add_ngram_tree_tables(models: dict[str, Any], drafts: list[Any], vocab: int,
 def add_tree_tables(models: dict[str, Any], drafts: list[Any], dtype: torch.dtype, log: Any = print) -> None:
     """Add "tree_expand" to the entry in ``models`` of every draft of ``drafts`` (ModelConfig)
     that can draw a tree (a transformer with its own weights), timed around its own forward."""
-    from real.calibrate import TEMPERATURES
+    from real.calibrate_drafts import TEMPERATURES
     from real.tree_tokens import LocalModel
     from real.weights import load_model
     from testbed.paths import repo_path
@@ -267,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     import tempfile
     from pathlib import Path
 
-    from real.calibrate import drafts_to_measure
+    from real.calibrate_drafts import drafts_to_measure
     from real.loading import DTYPES as dtypes
     from testbed.config import compose_experiment
     from testbed.paths import CONF_DIR

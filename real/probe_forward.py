@@ -40,7 +40,7 @@ def probe_functions(exp: ExperimentConfig, target: Any, tokenizer: Any,
                     drafts: list[ModelConfig]) -> ProbeFns:
     """One zero-argument forward per model, by model name: the target's (``exp.pair.target``)
     and each of ``drafts`` that has a forward (its own model or an early exit)."""
-    from real.calibrate import _make_draft
+    from real.calibrate_drafts import make_draft as _make_draft
     from real.runners import TargetRunner
     from testbed.spec.sampling import SamplingParams
 

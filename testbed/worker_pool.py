@@ -18,6 +18,7 @@ are killed rather than asked to tear down torch (~1 s) while the user waits.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 from typing import Any
 
@@ -25,6 +26,7 @@ JOBLIB_LAUNCHER = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLau
 
 _kwargs: dict[str, Any] | None = None  # the launcher's Parallel arguments, once warmed
 _thread: threading.Thread | None = None
+JOB_MODULES = ("testbed.app", "testbed.report")  # what every job and its report import
 BACKEND_ENV = "SPECBED_WORKER_BACKEND"  # the backend whose job modules the fork server imports
 SERVER_PARENT_ENV = "SPECBED_FORK_SERVER_PARENT"  # pid of the process that starts the server
 THREADS_ENV = "SPECBED_WORKER_THREADS"  # each worker's share of the cores
@@ -60,8 +62,9 @@ def import_job_modules(backend: str) -> None:
 
     seaborn()  # (without scipy: see there)
 
-    import testbed.app  # noqa: F401
-    import testbed.report  # noqa: F401
+    # by name: a preload, not a dependency (the app and the report use this module)
+    for module in JOB_MODULES:
+        importlib.import_module(module)
     from testbed import backends
 
     preload = backends.get(backend).preload
@@ -171,9 +174,8 @@ def _import_report_modules() -> None:
     matplotlib.use("Agg")
     import markdown_it  # noqa: F401  (report.html)
 
-    from testbed.report import load_sections
-
-    load_sections([])
+    # by name, as JOB_MODULES: the report uses this module's pool
+    importlib.import_module("testbed.report").load_sections([])
 
 
 def parallel_kwargs(n_jobs: int) -> dict[str, Any]:
