@@ -40,7 +40,7 @@ import torch
 from real.context import RealRequest, finish
 from real.links import Kind, LinkError, Message, Transport
 from real.model import Transformer
-from testbed.recorder import RunRecorder
+from testbed.recorder import RequestRecord, RunRecorder
 
 SCHEDULE_PHASE, BASELINE_PHASE = 0, 1
 
@@ -249,8 +249,8 @@ def ar_pipeline(stage: Stage, req: RealRequest, eos: frozenset[int], verify: Ver
         rec.round(request_id=rid, round_idx=i, start_s=s, end_s=e, drafted=0, checked=0, accepted=0,
                   emitted=1, verified_tokens=1, draft_s=0.0, target_s=e - s)
         i += 1
-    rec.request(rid, req.prompt_id, len(req.prompt_ids), out, len(out), prefill_end - t0,
-                now() - start, i)
+    rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=len(req.prompt_ids),
+        output_ids=out, generated=len(out), prefill_s=prefill_end - t0, decode_s=now() - start, rounds=i))
     return out
 
 

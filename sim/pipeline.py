@@ -19,6 +19,7 @@ from sim.links import Link
 from sim.quant import spec
 from sim.topology import Topology, build_topology
 from testbed.links import TOKEN_BYTES, dsd_window_bytes
+from testbed.recorder import RequestRecord
 
 __all__ = ["TOKEN_BYTES", "Pipeline", "ar_pipeline", "topology_for"]
 
@@ -126,6 +127,7 @@ def ar_pipeline(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         rec.round(request_id=rid, round_idx=i, start_s=s, end_s=env.now, drafted=0, checked=0,
                   accepted=0, emitted=1, verified_tokens=1, draft_s=0.0, target_s=compute)
     ids = out if ctx.oracle.produces_ids else []
-    rec.request(rid, req.prompt_id, req.prompt_len, ids, len(out), prefill_s, env.now - start,
-                req.max_new_tokens)
+    rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=req.prompt_len,
+        output_ids=ids, generated=len(out), prefill_s=prefill_s, decode_s=env.now - start,
+        rounds=req.max_new_tokens))
     ctx.extra.update(pipe.summary_fields())

@@ -23,6 +23,20 @@ REQUEST_COLUMNS = [
 TIMELINE_COLUMNS = ["resource", "kind", "start_s", "end_s", "request_id", "round"]
 
 
+@dataclass(frozen=True)
+class RequestRecord:
+    """One served request (a row of requests.parquet; ``tokens_per_s`` is derived)."""
+
+    request_id: int
+    prompt_id: str
+    prompt_len: int
+    output_ids: list[int]  # the generated tokens
+    generated: int  # len(output_ids), or what counted as generated
+    prefill_s: float
+    decode_s: float  # from the first decode step to the last token
+    rounds: int  # verifications (or AR forwards)
+
+
 @dataclass
 class RunRecorder:
     rounds: list[tuple] = field(default_factory=list)
@@ -46,14 +60,13 @@ class RunRecorder:
         if self.keep_spans:
             self.spans.append((resource, kind, start_s, end_s, request_id, round_idx))
 
-    def request(self, request_id: int, prompt_id: str, prompt_len: int, output_ids: list[int],
-                generated: int, prefill_s: float, decode_s: float, rounds: int) -> None:
+    def request(self, r: RequestRecord) -> None:
         self.requests.append({
-            "request_id": request_id, "prompt_id": prompt_id, "prompt_len": prompt_len,
-            "generated": generated, "prefill_s": prefill_s, "decode_s": decode_s,
-            "rounds": rounds,
-            "tokens_per_s": generated / decode_s if decode_s > 0 else float("nan"),
-            "output_ids": list(output_ids),
+            "request_id": r.request_id, "prompt_id": r.prompt_id, "prompt_len": r.prompt_len,
+            "generated": r.generated, "prefill_s": r.prefill_s, "decode_s": r.decode_s,
+            "rounds": r.rounds,
+            "tokens_per_s": r.generated / r.decode_s if r.decode_s > 0 else float("nan"),
+            "output_ids": list(r.output_ids),
         })
 
     def frames(self) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:

@@ -8,7 +8,7 @@ import html
 import re
 from pathlib import Path
 
-from testbed.recorder import RunRecorder, RunResult
+from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import write_run
 from tests.conftest import compose_exp
 
@@ -70,5 +70,6 @@ def write_prompts_run(path: Path, backend: str, split: str, schedule: str, accep
                       drafted=4, checked=acc + 1, accepted=acc, emitted=e, verified_tokens=5)
             generated += e
             r += 1
-        rec.request(rid, f"HumanEval/{rid}", 100, [], 40, 0.1, r * round_s, r)
+        rec.request(RequestRecord(request_id=rid, prompt_id=f"HumanEval/{rid}", prompt_len=100,
+            output_ids=[], generated=40, prefill_s=0.1, decode_s=r * round_s, rounds=r))
     write_run(path, exp, RunResult(recorder=rec))

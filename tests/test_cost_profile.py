@@ -141,7 +141,7 @@ def test_calibration_smoothing_survives_one_outlier() -> None:
 def test_rescale_follows_the_calibrate_runs_round_times(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """profile_rescale: a machine running 2x slower than the profile (k=5) is predicted 2x slower;
     other k keep the profile's shape with the role's overall scale."""
-    from testbed.recorder import RunRecorder, RunResult
+    from testbed.recorder import RequestRecord, RunRecorder, RunResult
     from testbed.results import write_run
 
     path = tmp_path / "profile.json"
@@ -156,7 +156,8 @@ def test_rescale_follows_the_calibrate_runs_round_times(tmp_path) -> None:  # ty
         rec.round(request_id=0, round_idx=r, start_s=0.0, end_s=0.0, drafted=4, checked=2,
                   accepted=1, emitted=2, verified_tokens=5, draft_s=t_draft, target_s=t_target)
         seq_len += 2
-    rec.request(0, "HumanEval/0", 100, [], 16, 0.1, 1.0, 8)
+    rec.request(RequestRecord(request_id=0, prompt_id="HumanEval/0", prompt_len=100, output_ids=[],
+        generated=16, prefill_s=0.1, decode_s=1.0, rounds=8))
     write_run(tmp_path / "runs" / "0", real, RunResult(recorder=rec))
     exp = compose_exp(*base, "sim.cost_model=profile", f"sim.profile_path={path}", "acceptance=trace",
                       f"acceptance.trace_path={tmp_path / 'runs'}", "sim.profile_rescale=true",
@@ -287,7 +288,7 @@ def test_validation_shows_the_standalone_prediction_beside_the_rescaled_one(tmp_
     1.0) keeps the profile's speed, the rescaled one is half as fast — both in the report's frame."""
     import testbed.machine as machine
     from sim.engine import run as simulate
-    from testbed.recorder import RunRecorder, RunResult
+    from testbed.recorder import RequestRecord, RunRecorder, RunResult
     from testbed.report.sections_validate import rescaled_frame, validation_frame
     from testbed.results import find_runs, write_run
 
@@ -307,7 +308,8 @@ def test_validation_shows_the_standalone_prediction_beside_the_rescaled_one(tmp_
             rec.round(request_id=0, round_idx=r, start_s=0.0, end_s=0.0, drafted=4, checked=2,
                       accepted=1, emitted=2, verified_tokens=5, draft_s=t_draft, target_s=t_target)
             seq_len += 2
-        rec.request(0, "HumanEval/0", 100, [], 16, 0.1, 1.0, 8)
+        rec.request(RequestRecord(request_id=0, prompt_id="HumanEval/0", prompt_len=100, output_ids=[],
+            generated=16, prefill_s=0.1, decode_s=1.0, rounds=8))
         write_run(sweep / name, compose_exp("backend=real", *base, f"workload.split={split}"),
                   RunResult(recorder=rec))
     pred = validate(compose_exp(*base, "sim.cost_model=profile", f"sim.profile_path={path}", "acceptance=trace",

@@ -12,7 +12,7 @@ import pytest
 from sim.cost_profile import ProfileCost, tp_degrees
 from sim.engine import run as sim_run
 from testbed.config import ConfigError
-from testbed.recorder import RunRecorder, RunResult
+from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import write_run
 from tests.conftest import compose_exp
 from tests.test_cost_profile import CTX, TARGET, K, make_profile
@@ -149,7 +149,8 @@ def write_tree_run(path: Path, accepted: list[list[int]], split: str = "trace", 
             t += 0.01
             generated += e
         assert generated == N_TOKENS
-        rec.request(rid, f"p{rid}", 50, [], N_TOKENS, 0.1, t, len(rounds))
+        rec.request(RequestRecord(request_id=rid, prompt_id=f"p{rid}", prompt_len=50, output_ids=[],
+            generated=N_TOKENS, prefill_s=0.1, decode_s=t, rounds=len(rounds)))
     write_run(path, exp, RunResult(recorder=rec, extra={"tree_width": WIDTH, "tree_budget": BUDGET,
                                                         "tree_depth_used": DEPTH}))
 

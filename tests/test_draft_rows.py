@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sim.engine import run as sim_run
-from testbed.recorder import RunRecorder, RunResult
+from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import write_run
 from testbed.spec.tree import DraftTree
 from testbed.spec.tree_drafter import DraftRowSample, DraftSource, TreeDrafter
@@ -93,7 +93,8 @@ def _write_async_ngram_run(path: Path, recorded: list[list[tuple[int, int]]], ro
             rec.round(request_id=rid, round_idx=i, start_s=t, end_s=t + 0.01, drafted=d, checked=n + (d > 0),
                       accepted=n, emitted=n + 1, verified_tokens=d + 1, draft_s=0.004, target_s=0.006)
             t += 0.01
-        rec.request(rid, f"p{rid}", 50, [], N_TOKENS, 0.1, t, len(rounds))
+        rec.request(RequestRecord(request_id=rid, prompt_id=f"p{rid}", prompt_len=50, output_ids=[],
+            generated=N_TOKENS, prefill_s=0.1, decode_s=t, rounds=len(rounds)))
     extra = {"tree_width": WIDTH, "tree_budget": BUDGET, "tree_depth_used": DEPTH}
     write_run(path, exp, RunResult(recorder=rec, extra={**extra, "draft_rows": rows} if rows else extra))
 

@@ -11,7 +11,7 @@ import pytest
 from sim.engine import run as sim_run
 from sim.oracle_trace import RequestTrace, TraceSequence, select_trace_runs
 from testbed.config import ConfigError
-from testbed.recorder import RunRecorder, RunResult
+from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import build_summary, write_run
 from tests.conftest import compose_exp
 
@@ -46,7 +46,8 @@ def write_trace_run(path: Path, gamma: int, split: str = "calibrate", requests: 
                       checked=n + (n < d), accepted=n, emitted=e, verified_tokens=d + 1,
                       draft_s=0.001, target_s=0.009)
             t += 0.01
-        rec.request(rid, f"p{rid}", 100, [], N_TOKENS, 0.1, t, len(rounds))
+        rec.request(RequestRecord(request_id=rid, prompt_id=f"p{rid}", prompt_len=100, output_ids=[],
+            generated=N_TOKENS, prefill_s=0.1, decode_s=t, rounds=len(rounds)))
         per_request.append(rounds)
     write_run(path, exp, RunResult(recorder=rec))
     return per_request
@@ -123,7 +124,8 @@ def test_an_ar_baseline_replays_from_a_directory_holding_only_async_runs(tmp_pat
     rec = RunRecorder()
     rec.round(request_id=0, round_idx=0, start_s=0.0, end_s=0.01, drafted=4, checked=2, accepted=1,
               emitted=2, verified_tokens=4, draft_s=0.001, target_s=0.009)
-    rec.request(0, "p0", 100, [], 2, 0.1, 0.01, 1)
+    rec.request(RequestRecord(request_id=0, prompt_id="p0", prompt_len=100, output_ids=[], generated=2,
+        prefill_s=0.1, decode_s=0.01, rounds=1))
     write_run(tmp_path / "async", exp, RunResult(recorder=rec))
     run = tmp_path / "async"
     assert [d.name for d, _ in select_trace_runs(run, sim_exp(run, 4, 2, "schedule=ar"))] == ["async"]
@@ -144,7 +146,8 @@ def test_a_wan_prediction_replays_its_own_dsd_run_and_its_ar_baseline_too(tmp_pa
         rec.round(request_id=0, round_idx=i, start_s=t, end_s=t + 0.01, drafted=d, checked=n + (n < d),
                   accepted=n, emitted=e, verified_tokens=d + 1, draft_s=0.001, target_s=0.009)
         t += 0.01
-    rec.request(0, "p0", 100, [], N_TOKENS, 0.1, t, len(rounds))
+    rec.request(RequestRecord(request_id=0, prompt_id="p0", prompt_len=100, output_ids=[],
+        generated=N_TOKENS, prefill_s=0.1, decode_s=t, rounds=len(rounds)))
     write_run(tmp_path / "dsd", exp, RunResult(recorder=rec))
     pred = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "schedule=decentralized",
                        "placement.nodes=2", f"schedule.gamma={gamma}", "workload=humaneval",

@@ -11,7 +11,7 @@ import pytest
 from sim.engine import run as sim_run
 from sim.oracle_trace import RequestTrace
 from sim.prediction_interval import resample_traces
-from testbed.recorder import RunRecorder, RunResult
+from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import write_run
 from tests.conftest import compose_exp
 from tests.test_oracle_trace import N_TOKENS, sim_exp, write_trace_run
@@ -63,7 +63,8 @@ def test_a_trace_without_variation_gives_a_point_interval(tmp_path: Path) -> Non
         for i in range(N_TOKENS // 3):
             rec.round(request_id=rid, round_idx=i, start_s=0.01 * i, end_s=0.01 * (i + 1), drafted=4,
                       checked=3, accepted=2, emitted=3, verified_tokens=5, draft_s=0.001, target_s=0.009)
-        rec.request(rid, f"p{rid}", 100, [], N_TOKENS, 0.1, 0.2, N_TOKENS // 3)
+        rec.request(RequestRecord(request_id=rid, prompt_id=f"p{rid}", prompt_len=100, output_ids=[],
+            generated=N_TOKENS, prefill_s=0.1, decode_s=0.2, rounds=N_TOKENS // 3))
     write_run(tmp_path / "flat", exp_real, RunResult(recorder=rec))
     x = sim_run(sim_exp(tmp_path / "flat", 4, 3, "sim.prediction_resamples=10")).extra
     lo, hi = x["mean_accepted_len_pi95"]

@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from testbed.recorder import RunRecorder, RunResult
+from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.report import build_report, markdown_table, to_html
 from testbed.results import write_run
 from tests.conftest import compose_exp
@@ -151,7 +151,8 @@ def test_heatmap_colour_bar_label_is_inside_the_figure(tmp_path: Path, monkeypat
         for r in range(1 + seed % 4):
             rec.round(request_id=0, round_idx=r, start_s=r * 0.01, end_s=(r + 1) * 0.01, drafted=4,
                       checked=1 + r % 4, accepted=r % 4, emitted=1 + r % 4, verified_tokens=5)
-        rec.request(0, "p0", 10, [], 10, 0.1, 0.1, 1 + seed % 4)
+        rec.request(RequestRecord(request_id=0, prompt_id="p0", prompt_len=10, output_ids=[], generated=10,
+            prefill_s=0.1, decode_s=0.1, rounds=1 + seed % 4))
         write_run(tmp_path / "runs" / str(seed), e, RunResult(recorder=rec))
     build_report([tmp_path / "runs"], tmp_path / "r")
     fig = figs["accepted_length.png"]

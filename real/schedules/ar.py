@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from real.context import RealContext, RealRequest, finish
 from real.schedules import register
+from testbed.recorder import RequestRecord
 from testbed.spec.sampling import sample
 
 
@@ -30,4 +31,5 @@ def serve_ar(ctx: RealContext, req: RealRequest) -> None:
         rec.span("target", "decode", s, e, rid, i)
         ctx.on_tokens(1)
         i += 1
-    rec.request(rid, req.prompt_id, len(req.prompt_ids), out, len(out), prefill_s, ctx.now() - start, i)
+    rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=len(req.prompt_ids),
+        output_ids=out, generated=len(out), prefill_s=prefill_s, decode_s=ctx.now() - start, rounds=i))

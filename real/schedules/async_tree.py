@@ -56,7 +56,7 @@ from real.links import Kind, Message, Transport
 from real.runners import prefill
 from real.schedules import register
 from real.tree_tokens import DraftTreeTokens, ForwardModel, TargetTreeTokens
-from testbed.recorder import RunRecorder
+from testbed.recorder import RequestRecord, RunRecorder
 from testbed.spec.sampling import SamplingParams
 from testbed.spec.tree import TreeBatch
 from testbed.spec.tree_drafter import (
@@ -301,7 +301,8 @@ def target_worker(side: Side, req: RealRequest, eos: frozenset[int],
         r += 1
         if done:
             break
-    rec.request(rid, req.prompt_id, len(req.prompt_ids), out, len(out), start - t0, now() - start, r)
+    rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=len(req.prompt_ids),
+        output_ids=out, generated=len(out), prefill_s=start - t0, decode_s=now() - start, rounds=r))
     return out
 
 

@@ -50,7 +50,7 @@ from real.pipeline import (
     unpack_dists,
 )
 from real.schedules import register
-from testbed.recorder import RunRecorder
+from testbed.recorder import RequestRecord, RunRecorder
 from testbed.spec.dsd import dsd_verify
 from testbed.spec.lookahead import make_lookahead
 from testbed.spec.sampling import SamplingParams, standardize
@@ -152,8 +152,8 @@ def dsd_first_stage(stage: Stage, draft: Draft, req: RealRequest, eos: frozenset
         rec.span("draft", "draft", s, m, rid, r)
         on_tokens(len(out) - before)
         r += 1
-    rec.request(rid, req.prompt_id, len(req.prompt_ids), out, len(out), prefill_end - t0,
-                now() - start, r)
+    rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=len(req.prompt_ids),
+        output_ids=out, generated=len(out), prefill_s=prefill_end - t0, decode_s=now() - start, rounds=r))
     return out
 
 

@@ -10,6 +10,7 @@ from real.context import RealContext, RealRequest, finish
 from real.drafts import NgramDraft
 from real.generate import greedy_generate
 from real.schedules import register
+from testbed.recorder import RequestRecord
 from testbed.spec.lookahead import OracleLookahead, lookahead_for
 from testbed.spec.speculative import speculative_step
 
@@ -63,5 +64,6 @@ def serve_sync(ctx: RealContext, req: RealRequest) -> None:
         rec.span("target", "verify", m, e, rid, r)
         ctx.on_tokens(len(out) - before)
         r += 1
-    rec.request(rid, req.prompt_id, len(req.prompt_ids), out, len(out), prefill_s, ctx.now() - start, r)
+    rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=len(req.prompt_ids),
+        output_ids=out, generated=len(out), prefill_s=prefill_s, decode_s=ctx.now() - start, rounds=r))
     ctx.extra["draft_forwards"] = ctx.extra.get("draft_forwards", 0) + forwards

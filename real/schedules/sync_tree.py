@@ -15,6 +15,7 @@ from __future__ import annotations
 from real.context import RealContext, RealRequest, finish
 from real.schedules import register
 from real.tree_tokens import DraftTreeTokens, TargetTreeTokens, tree_models
+from testbed.recorder import RequestRecord
 from testbed.spec.tree_drafter import DraftRowSample, TreeDrafter, TreeKvStats
 
 
@@ -62,6 +63,6 @@ def serve_sync_tree(ctx: RealContext, req: RealRequest) -> None:
         rec.span("target", "verify", m, e, rid, r)
         ctx.on_tokens(len(out) - before)
         r += 1
-    rec.request(rid, req.prompt_id, len(req.prompt_ids), out, len(out), prefill_s,
-                ctx.now() - start, r)
+    rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=len(req.prompt_ids),
+        output_ids=out, generated=len(out), prefill_s=prefill_s, decode_s=ctx.now() - start, rounds=r))
     ctx.extra.update(drafter.summary_fields(), tree_depth_used=depth)

@@ -10,6 +10,7 @@ from typing import Any
 
 from sim.context import SimContext, SimRequest
 from sim.schedules import register
+from testbed.recorder import RequestRecord
 
 
 @register("ar")
@@ -41,5 +42,6 @@ def ar(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
                   accepted=0, emitted=1, verified_tokens=1, draft_s=0.0, target_s=dt)
         rec.span("target", "decode", s, s + dt, rid, i)
     ids = out if ctx.oracle.produces_ids else []
-    rec.request(rid, req.prompt_id, req.prompt_len, ids, len(out), prefill_s, env.now - start,
-                req.max_new_tokens)
+    rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=req.prompt_len,
+        output_ids=ids, generated=len(out), prefill_s=prefill_s, decode_s=env.now - start,
+        rounds=req.max_new_tokens))

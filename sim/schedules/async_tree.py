@@ -42,6 +42,7 @@ from sim.pipeline import TOKEN_BYTES, topology_for
 from sim.schedules import register
 from sim.tree_tokens import TimedTreeDrafter, tree_tokens
 from testbed.links import TREE_NODE_BYTES, TREE_TIMES_BYTES, subtree_message_bytes
+from testbed.recorder import RequestRecord
 from testbed.spec.tree_drafter import AsyncDepth
 
 
@@ -248,8 +249,9 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     yield from draft_worker(draft_side, req, drafter, depth)
     yield target
     ids = out if ctx.oracle.produces_ids else []
-    rec.request(rid, req.prompt_id, req.prompt_len, ids, len(out), prefill_s,
-                finished["end"] - start, int(finished["rounds"]))
+    rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=req.prompt_len,
+        output_ids=ids, generated=len(out), prefill_s=prefill_s, decode_s=finished["end"] - start,
+        rounds=int(finished["rounds"])))
     ctx.extra.update(drafter.summary_fields(), **depth.summary_fields(),
                      t_target_ms=1e3 * t_target, t_draft_ms=1e3 * t_draft)
     if hasattr(cost, "contention_factor"):  # sim.cost_profile: the groups slow each other down

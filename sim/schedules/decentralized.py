@@ -37,6 +37,7 @@ from sim.oracle import ChainOutcome, SequenceOracle, SyntheticSequence
 from sim.pipeline import Pipeline
 from sim.schedules import register
 from testbed.links import draft_dists_bytes
+from testbed.recorder import RequestRecord
 from testbed.spec.dsd import dsd_verify
 from testbed.spec.lookahead import make_lookahead
 from testbed.spec.sampling import sample
@@ -147,5 +148,6 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
         acc["accepted"] += n
         acc["drafted"] += gamma
         r += 1
-    rec.request(rid, req.prompt_id, req.prompt_len, out, generated, prefill_s, env.now - start, r)
+    rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=req.prompt_len,
+        output_ids=out, generated=generated, prefill_s=prefill_s, decode_s=env.now - start, rounds=r))
     ctx.extra.update(_summary(ctx, pipe, acc))

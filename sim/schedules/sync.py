@@ -13,6 +13,7 @@ from typing import Any
 
 from sim.context import SimContext, SimRequest
 from sim.schedules import register
+from testbed.recorder import RequestRecord
 from testbed.spec.lookahead import lookahead_for
 
 
@@ -64,5 +65,6 @@ def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         rec.span("draft", "draft", s, s + draft_s, rid, r)
         rec.span("target", "verify", s + draft_s, env.now, rid, r)
         r += 1
-    rec.request(rid, req.prompt_id, req.prompt_len, out, generated, prefill_s, env.now - start, r)
+    rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=req.prompt_len,
+        output_ids=out, generated=generated, prefill_s=prefill_s, decode_s=env.now - start, rounds=r))
     ctx.extra["draft_forwards"] = ctx.extra.get("draft_forwards", 0) + forwards

@@ -18,6 +18,7 @@ from typing import Any
 from sim.context import SimContext, SimRequest
 from sim.schedules import register
 from sim.tree_tokens import TimedTreeDrafter, tree_tokens
+from testbed.recorder import RequestRecord
 
 
 @register("sync_tree")
@@ -70,5 +71,6 @@ def sync_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
             rec.span("draft", "reroot", t, env.now, rid, r)
         r += 1
     ids = out if ctx.oracle.produces_ids else []
-    rec.request(rid, req.prompt_id, req.prompt_len, ids, generated, prefill_s, env.now - start, r)
+    rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=req.prompt_len,
+        output_ids=ids, generated=generated, prefill_s=prefill_s, decode_s=env.now - start, rounds=r))
     ctx.extra.update(drafter.summary_fields(), tree_depth_used=depth)
