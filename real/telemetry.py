@@ -12,6 +12,20 @@ import pandas as pd
 import psutil
 
 
+def _nvml_handle(pynvml, device: str):  # noqa: ANN001, ANN202
+    """NVML's handle of the GPU this process runs on: ``cuda:N``, or plain ``cuda`` = the current
+    device (a worker made its own GPU current). Matched by UUID, since NVML numbers every GPU
+    of the machine while CUDA numbers the visible ones."""
+    import torch
+
+    index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
+    try:
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    except Exception:  # noqa: BLE001 - an older torch or driver: by index
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+
 class Telemetry:
     def __init__(self, device: str = "cpu", interval_s: float = 0.25) -> None:
         self.interval_s = interval_s
@@ -25,8 +39,7 @@ class Telemetry:
                 import pynvml
 
                 pynvml.nvmlInit()
-                index = int(device.split(":")[1]) if ":" in device else 0
-                self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(index))
+                self._nvml = (pynvml, _nvml_handle(pynvml, device))
             except Exception:  # noqa: BLE001 - no driver / no GPU: CPU telemetry only
                 self._nvml = None
 
