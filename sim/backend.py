@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from sim.cost import COST_MODELS
+from sim.oracle import ORACLES
 from testbed.backends import Backend, register
 from testbed.config import ExperimentConfig
 
@@ -37,4 +39,5 @@ def preload() -> None:
         importlib.import_module(f"sim.schedules.{m.name}")
 
 
-BACKEND = register(Backend(name="sim", run=run, replay_seconds=replay_seconds, preload=preload))
+BACKEND = register(Backend(name="sim", run=run, replay_seconds=replay_seconds, preload=preload,
+                           options={"sim.cost_model": COST_MODELS, "acceptance": ORACLES}))

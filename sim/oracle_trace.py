@@ -352,4 +352,4 @@ class TraceOracle(TokenOracle):
         return TraceSequence(trace, random.Random(1_000_003 * self.seed + request_id))
 
 
-ORACLES["trace"] = TraceOracle
+ORACLES.register("trace", TraceOracle)

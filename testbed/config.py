@@ -16,12 +16,18 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from testbed.paths import CONF_DIR
+from testbed.registry import Registry
 
-ORACLES = ("iid", "synthetic", "trace")
-COST_MODELS = ("analytic", "roofline", "profile")
+# acceptance oracles and cost models are the simulator's: their names come from its registries
+# (testbed.backends.option_names("acceptance"), option_names("sim.cost_model"))
 PROFILE_DRIFTS = ("none", "probe", "forward", "run_probe")
 WORKLOADS = ("synthetic", "humaneval", "mtbench", "alpaca")
-MODEL_KINDS = ("transformer", "ngram", "early_exit")
+# what a model of a pair is (pair.target.kind, pair.draft.kind); the real backend builds a draft
+# of each kind from its own registry (real/loading.py DRAFTS)
+MODEL_KINDS: Registry[str] = Registry("model kind")
+MODEL_KINDS.register("transformer", "a decoder with weights of its own")
+MODEL_KINDS.register("ngram", "prompt lookup: the longest n-gram match proposes its continuation (drafts only)")
+MODEL_KINDS.register("early_exit", "the target's first exit_layer layers and its head (drafts only)")
 MLPS = ("swiglu", "gelu")  # gelu: GPTBigCode/StarCoder, 2 matrices instead of 3
 QUANTS = ("fp32", "bf16", "fp16", "int8", "int4_awq", "q4_1")
 

@@ -3,11 +3,10 @@ the dataclasses); a bad one raises ``ConfigError`` naming the key, the value and
 
 from __future__ import annotations
 
+from testbed import backends
 from testbed.config import (
-    COST_MODELS,
     MLPS,
     MODEL_KINDS,
-    ORACLES,
     PROFILE_DRIFTS,
     QUANTS,
     WORKLOADS,
@@ -15,8 +14,8 @@ from testbed.config import (
     ExperimentConfig,
     ModelConfig,
 )
-from testbed.schedules import BACKENDS, SCHEDULES, unsupported
-from testbed.spec.lookahead import POLICIES as LOOKAHEADS
+from testbed.schedules import SCHEDULES, unsupported
+from testbed.spec.lookahead import LOOKAHEADS
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -41,7 +40,7 @@ def _float_range(key: str, value: float, lo: float, hi: float | None = None,
 
 
 def _validate_model(prefix: str, m: ModelConfig, backend: str) -> None:
-    _choice(f"{prefix}.kind", m.kind, MODEL_KINDS)
+    _choice(f"{prefix}.kind", m.kind, MODEL_KINDS.names())
     _choice(f"{prefix}.quant", m.quant, QUANTS)
     _choice(f"{prefix}.mlp", m.mlp, MLPS)
     if m.kind == "transformer":
@@ -59,7 +58,7 @@ def _validate_lookahead(exp: ExperimentConfig) -> None:
     from testbed.spec.lookahead import PER_TOKEN, ClassifierError, load_classifier, resolve_path
 
     la, s = exp.lookahead, exp.schedule
-    _choice("lookahead", la.policy, LOOKAHEADS)
+    _choice("lookahead", la.policy, LOOKAHEADS.names())
     if la.threshold is not None:
         if la.policy not in ("confidence", "disco"):
             raise ConfigError("lookahead.threshold", la.threshold,
@@ -85,7 +84,7 @@ def _validate_lookahead(exp: ExperimentConfig) -> None:
 
 def validate(exp: ExperimentConfig) -> ExperimentConfig:
     """Raise ConfigError on the first bad value; return the config unchanged otherwise."""
-    _choice("backend", exp.backend, BACKENDS)
+    _choice("backend", exp.backend, backends.names())
     _int_range("seed", exp.seed, 0)
     s = exp.schedule
     _choice("schedule", s.name, SCHEDULES)
@@ -139,7 +138,7 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _float_range("network.jitter_ms", net.jitter_ms, 0.0)
 
     a = exp.acceptance
-    _choice("acceptance", a.oracle, ORACLES)
+    _choice("acceptance", a.oracle, backends.option_names("acceptance"))
     _float_range("acceptance.alpha", a.alpha, 0.0, 1.0, hi_open=True)
     _int_range("acceptance.vocab", a.vocab, 2, 1 << 20)
     _int_range("schedule.draft_topk", s.draft_topk, 0)
@@ -148,7 +147,7 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
                           "verification needs token distributions: use acceptance=synthetic)")
 
     sm = exp.sim
-    _choice("sim.cost_model", sm.cost_model, COST_MODELS)
+    _choice("sim.cost_model", sm.cost_model, backends.option_names("sim.cost_model"))
     _float_range("sim.c", sm.c, 0.0)
     _float_range("sim.t_target_ms", sm.t_target_ms, 0.0, lo_open=True)
     _choice("sim.profile_drift", sm.profile_drift, PROFILE_DRIFTS)
