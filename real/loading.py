@@ -16,6 +16,7 @@ from real.tokenizer import Tokenizer
 from testbed.config import ExperimentConfig, real_dtype
 from testbed.paths import repo_path
 from testbed.registry import Registry
+from testbed.schedules import spec_of
 from testbed.spec.sampling import SamplingParams
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -110,7 +111,7 @@ def _model_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tokenize
 def make_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tokenizer,
                params: SamplingParams) -> Draft | None:
     """The pair's draft (None for a schedule without one: `ar`)."""
-    if exp.schedule.name == "ar":
+    if not spec_of(exp).drafts:
         return None
     return DRAFTS.get(exp.pair.draft.kind)(exp, target, tokenizer, params)
 

@@ -257,14 +257,17 @@ class ExperimentConfig:
 
 
 def default_gpus(role: str, schedule: str, gpus_per_node: int, hardware: str = "") -> int:
-    """Placement defaults: every GPU for both models, except `async`, which needs disjoint
-    groups — 3/8 of the node for the draft (SwiftSpec's best Llama-3-70B split is 5+3).
+    """Placement defaults: every GPU for both models, except a ``two_groups`` schedule
+    (`async`), which needs disjoint groups — 3/8 of the node for the draft (SwiftSpec's best Llama-3-70B split is 5+3).
     hardware=local (this machine, simulated or real): one device per group (a device is a core
     on CPU), so a real run stays in one process unless tensor parallelism or an async split is
     asked for, and the simulator predicts the same placement."""
+    from testbed.schedules import TWO_GROUPS, find
+
     if hardware == "local":
         return 1
-    if schedule != "async" or gpus_per_node < 2:
+    spec = find(schedule)
+    if spec is None or spec.layout != TWO_GROUPS or gpus_per_node < 2:
         return gpus_per_node
     draft = max(1, round(3 * gpus_per_node / 8))
     return draft if role == "draft" else gpus_per_node - draft

@@ -14,7 +14,7 @@ from testbed.config import (
     ExperimentConfig,
     ModelConfig,
 )
-from testbed.schedules import SCHEDULES, unsupported
+from testbed.schedules import TWO_GROUPS, schedule_names, spec_of, unsupported
 from testbed.spec.lookahead import LOOKAHEADS
 
 
@@ -66,7 +66,7 @@ def _validate_lookahead(exp: ExperimentConfig) -> None:
         _float_range("lookahead.threshold", la.threshold, 0.0, 1.0)
     if la.path is not None and la.policy != "disco":
         raise ConfigError("lookahead.path", la.path, f"unset with lookahead={la.policy} (only disco loads a classifier)")
-    if la.policy in PER_TOKEN and (s.name != "sync" or s.tree):
+    if la.policy in PER_TOKEN and not spec_of(exp).chain:
         raise ConfigError("lookahead", la.policy, "static or heuristic with schedule=" + s.name
                           + (" (tree)" if s.tree else "") + " (per-token stopping runs in the sync chain)")
     if la.policy in ("confidence", "disco") and exp.backend == "sim" and exp.acceptance.oracle == "iid":
@@ -87,7 +87,8 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _choice("backend", exp.backend, backends.names())
     _int_range("seed", exp.seed, 0)
     s = exp.schedule
-    _choice("schedule", s.name, SCHEDULES)
+    _choice("schedule", s.name, schedule_names())
+    spec = spec_of(exp)
     _int_range("schedule.gamma", s.gamma, 1, 64)
     _int_range("schedule.tree_width", s.tree_width, 1, 256)
     _int_range("schedule.tree_budget", s.tree_budget, 1, 1024)
@@ -121,15 +122,15 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     n = hw.gpus_per_node
     _int_range("placement.target_gpus", pl.target_gpus, 1, n)
     _int_range("placement.draft_gpus", pl.draft_gpus, 1, n)
-    if s.name == "async" and pl.target_gpus + pl.draft_gpus > n:
+    if spec.layout == TWO_GROUPS and pl.target_gpus + pl.draft_gpus > n:
         raise ConfigError("placement.draft_gpus", pl.draft_gpus,
-                          f"at most {n - pl.target_gpus}: async puts draft and target on disjoint GPUs "
+                          f"at most {n - pl.target_gpus}: {s.name} puts draft and target on disjoint GPUs "
                           f"and placement.target_gpus={pl.target_gpus} of {n} are taken")
-    if s.name == "async" and d.kind == "early_exit":
-        raise ConfigError("pair.draft.kind", d.kind, "transformer or ngram with schedule=async "
-                          "(an early-exit draft runs on the target's GPUs, async needs its own)")
+    if spec.layout == TWO_GROUPS and d.kind == "early_exit":
+        raise ConfigError("pair.draft.kind", d.kind, f"transformer or ngram with schedule={s.name} "
+                          f"(an early-exit draft runs on the target's GPUs, {s.name} needs its own)")
     _int_range("placement.nodes", pl.nodes, 1, 64)
-    if s.name in ("decentralized", "ar") and pl.nodes > t.layers:
+    if "placement.nodes" in spec.reads and pl.nodes > t.layers:
         raise ConfigError("placement.nodes", pl.nodes, f"at most the target's {t.layers} layers")
 
     net = exp.network
@@ -142,7 +143,7 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _float_range("acceptance.alpha", a.alpha, 0.0, 1.0, hi_open=True)
     _int_range("acceptance.vocab", a.vocab, 2, 1 << 20)
     _int_range("schedule.draft_topk", s.draft_topk, 0)
-    if exp.backend == "sim" and s.name == "decentralized" and s.adaptive and a.oracle == "iid":
+    if exp.backend == "sim" and "schedule.adaptive" in spec.reads and s.adaptive and a.oracle == "iid":
         raise ConfigError("schedule.adaptive", s.adaptive, "false with acceptance=iid (DSD adaptive "
                           "verification needs token distributions: use acceptance=synthetic)")
 
