@@ -27,22 +27,17 @@ import torch
 
 from real.context import RealContext
 from real.errors import RealSetupError
+from real.layouts import RUNNERS, Runner
 from real.links import Kind, Message
 from real.probe_forward import PROBE_TOKENS, RunProbe, model_probe, target_probes
 from real.runners import TargetRunner
-from real.schedules.async_tree import (
-    Peer,
-    Side,
-    draft_worker,
-    probe_before_request,
-    probe_draft,
-    probe_target,
-    target_worker,
-)
+from real.schedules import TwoGroups, get_schedule
+from real.schedules.async_tree import Peer, Side
 from real.telemetry import Telemetry, run_files
 from real.tree_tokens import LocalModel
 from testbed.config import ExperimentConfig, real_dtype
 from testbed.recorder import RunRecorder, RunResult
+from testbed.schedules import BASELINE, TWO_GROUPS, schedule_impl
 from testbed.spec.ngram import NgramTreeSource
 from testbed.spec.sampling import SamplingParams
 from testbed.spec.tree_drafter import DraftSource
@@ -109,6 +104,8 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
 
     exp, role = ctx.exp, ctx.role
     s = exp.schedule
+    halves = get_schedule(schedule_impl(exp))  # the schedule's two halves (real/schedules)
+    assert isinstance(halves, TwoGroups)
     params = SamplingParams(exp.sampling.temperature, exp.sampling.top_k, exp.sampling.top_p)
     other = "draft" if role == "target" else "target"
     peer = Peer(ctx.transport_from(other) if ctx.is_leader else None,
@@ -130,18 +127,18 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
         if role == "target":
             telemetry = Telemetry(exp.real.device)
             with telemetry if ctx.is_leader else contextlib.nullcontext():
-                probe_target(side, exp, requests[0])
+                halves.probe_target(side, exp, requests[0])
                 for req in requests:
-                    probe_before_request(side, role, req)
-                    served.outputs.append(target_worker(side, req, eos))
+                    halves.before_request(side, role, req)
+                    served.outputs.append(halves.target(side, req, eos))
             if ctx.is_leader:
                 served.telemetry, served.telemetry_summary = telemetry.frame(), telemetry.summary()
             served.baseline = _baseline(exp, model, params, requests, eos, peer)
         else:
-            depth, t_target, t_draft = probe_draft(side, exp, requests[0])
+            depth, t_target, t_draft = halves.probe_draft(side, exp, requests[0])
             for req in requests:
-                probe_before_request(side, role, req)
-                draft_worker(side, req, depth, width=s.tree_width, budget=s.tree_budget)
+                halves.before_request(side, role, req)
+                halves.draft(side, req, depth, width=s.tree_width, budget=s.tree_budget)
             _idle_during_baseline(exp, requests, peer)
             served.extra = {**depth.summary_fields(), "t_target_ms": 1e3 * t_target,
                             "t_draft_ms": 1e3 * t_draft, "tree_width": s.tree_width,
@@ -157,11 +154,9 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
 def _baseline(exp: ExperimentConfig, model, params: SamplingParams, requests, eos,  # type: ignore[no-untyped-def]
               peer: Peer) -> RunRecorder | None:
     """`ar` on the target group alone; a message to the draft after each request."""
-    from real.schedules import get_schedule
-
     if not exp.real.baseline:
         return None
-    serve_ar = get_schedule("ar")
+    serve_ar = get_schedule(BASELINE)
     ctx = RealContext(exp, TargetRunner(model, params), None, RunRecorder(), eos, params,
                       lambda n: None, time.perf_counter())
     for req in requests:
@@ -198,3 +193,6 @@ def run_async(exp: ExperimentConfig) -> RunResult:
              **draft.value.extra, **leader.value.extra}
     return RunResult(recorder=merge_records(results), baseline=leader.value.baseline, extra=extra,
                      artifacts=run_files(leader.value.telemetry, leader.value.telemetry_summary))
+
+
+RUNNERS.register(TWO_GROUPS, Runner(run_async, launches_per_run=True))

@@ -24,6 +24,7 @@ import torch
 from real.context import RealContext, RealRequest
 from real.drafts import Draft, ModelDraft
 from real.errors import RealSetupError
+from real.layouts import RUNNERS, Runner
 from real.loading import build_requests, load, make_draft, model_device
 from real.model import Transformer
 from real.probe_forward import RunProbe, role_probes
@@ -33,7 +34,16 @@ from real.telemetry import Telemetry, run_files
 from real.tree_tokens import tree_cache_slots
 from testbed.config import ExperimentConfig, as_dict, real_dtype
 from testbed.recorder import RunRecorder, RunResult
-from testbed.schedules import implementations, runs_on, schedule_impl
+from testbed.schedules import (
+    BASELINE,
+    SINGLE,
+    TREE,
+    implementations,
+    runs_on,
+    schedule_impl,
+    spec,
+    spec_of,
+)
 from testbed.spec.sampling import SamplingParams
 
 _BASELINES: dict[str, RunRecorder] = {}
@@ -94,29 +104,30 @@ def cache_slots(exp: ExperimentConfig, requests: list[RealRequest]) -> tuple[int
     (``tree_cache_slots``: the model's whole context where it can)."""
     s = exp.schedule
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-    if s.tree or s.name == "async":
+    if s.tree or spec_of(exp).tree:
         return longest + s.tree_budget + 2, tree_cache_slots(longest)
     return longest + s.gamma + 2, longest + s.gamma + 2
 
 
 def run(exp: ExperimentConfig) -> RunResult:
+    """A real run, by the runner of its placement's layout (real/layouts.py)."""
     from testbed.placement import make_placement
 
-    placement = make_placement(exp)
-    if placement.layout in ("async", "pipeline") and exp.real.repeats > 1:
-        # their processes are launched per run: repeat whole runs (each the schedule, then ar)
+    runner = RUNNERS.get(make_placement(exp).layout)
+    if runner.launches_per_run and exp.real.repeats > 1:
+        # its processes are launched per run: repeat whole runs (each the schedule, then ar)
         from real.repeats import run_repeated
 
         return run_repeated(exp, run, schedule_impl(exp))
-    if placement.layout == "async":  # two groups, each rank runs its group's half: real/async_run.py
-        from real.async_run import run_async
+    return runner.run(exp)
 
-        return run_async(exp)
-    if placement.layout == "pipeline":  # one process per stage: real/pipeline_run.py
-        from real.pipeline_run import run_pipeline
 
-        return run_pipeline(exp)
-    if placement.world_size > 1:
+def run_group(exp: ExperimentConfig) -> RunResult:
+    """The ``single`` and ``tree`` layouts: this process, or one SPMD group of worker processes
+    (one per device) that all serve the schedule on their shards."""
+    from testbed.placement import make_placement
+
+    if make_placement(exp).world_size > 1:
         return _run_spawned(exp)
     with _threads(exp.real.threads), torch.inference_mode():
         return _run(exp)
@@ -153,16 +164,18 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
     progress = exp.real.progress and leader
     telemetry = Telemetry(exp.real.device)
     # the machine as this run finds it, on its own devices, before each request it decodes
-    probe = RunProbe(role_probes(target, None if exp.schedule.name == "ar" else draft, params),
+    drafts = spec_of(exp).drafts
+    probe = RunProbe(role_probes(target, draft if drafts else None, params),
                      group=None if tp is None else tp[2], requests=len(requests))
     schedule_extra: dict = {}
-    want_baseline = exp.schedule.name != "ar" and exp.real.baseline
+    want_baseline = drafts and exp.real.baseline
     if exp.real.repeats > 1:  # interleaved: the run, ar, the run, ar, ... (real/repeats.py)
         from real.repeats import serve_interleaved
 
         def measure(impl: str, extra: dict | None) -> RunRecorder:
-            return serve(exp, impl, target, None if impl == "ar" else draft, requests, eos, progress, extra,
-                         probe=None if impl == "ar" and exp.schedule.name != "ar" else probe)
+            has_draft = spec(impl).drafts
+            return serve(exp, impl, target, draft if has_draft else None, requests, eos, progress, extra,
+                         probe=probe if has_draft or not drafts else None)
         with telemetry if leader else contextlib.nullcontext():
             rec, baseline, repeat_fields = serve_interleaved(
                 schedule_impl(exp), exp.real.repeats, want_baseline, measure, schedule_extra, seed=exp.seed)
@@ -175,7 +188,7 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
     if want_baseline:
         key = baseline_key(exp, requests)
         if key not in _BASELINES:
-            _BASELINES[key] = serve(exp, "ar", target, None, requests, eos, progress)
+            _BASELINES[key] = serve(exp, BASELINE, target, None, requests, eos, progress)
         baseline = _BASELINES[key]
     extra = {"draft": None if draft is None else draft.name, "dtype": real_dtype(exp),
              "threads": torch.get_num_threads(), "workload_split": exp.workload.split,
@@ -235,3 +248,8 @@ def _run(exp: ExperimentConfig) -> RunResult:
     served = _serve_all(exp, None, True)
     return RunResult(recorder=served.rec, baseline=served.baseline, extra=served.extra,
                      artifacts=run_files(served.telemetry, served.telemetry_summary))
+
+
+_GROUP = Runner(run_group)
+RUNNERS.register(SINGLE, _GROUP)
+RUNNERS.register(TREE, _GROUP)

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from testbed.config import ExperimentConfig, real_dtype, to_experiment
 from testbed.paths import CONF_DIR, repo_path
+from testbed.schedules import spec_of
 
 CALIBRATE_CMD = "python -m testbed backend=real +calibrate"
 
@@ -68,7 +69,7 @@ def profile_needs(exps: Iterable[ExperimentConfig], hardware: str) -> ProfileNee
             degrees = tp_degrees(exp)
         except PlacementError:  # the pre-run check names a bad placement; nothing to measure
             continue
-        for role in ("target",) if exp.schedule.name == "ar" else ("target", "draft"):
+        for role in ("target", "draft") if spec_of(exp).drafts else ("target",):
             m = getattr(exp.pair, role)
             needs.models.add(m.name)
             tables = exp.pair.target.name if m.kind == "early_exit" else m.name

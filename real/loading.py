@@ -4,6 +4,8 @@ requests (the workload's prompts rendered and tokenized, checked against the con
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from real.context import RealRequest
@@ -14,6 +16,8 @@ from real.model import Transformer
 from real.tokenizer import Tokenizer
 from testbed.config import ExperimentConfig, real_dtype
 from testbed.paths import repo_path
+from testbed.registry import Registry
+from testbed.schedules import spec_of
 from testbed.spec.sampling import SamplingParams
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,22 +82,43 @@ def check_vocab(target_tok: Tokenizer, target: Transformer, draft_tok: Tokenizer
             "target's tokenizer; choose a draft trained for this target")
 
 
-def make_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tokenizer,
-               params: SamplingParams) -> Draft | None:
+# a draft of each model kind (testbed.config.MODEL_KINDS): kind -> factory(exp, target, tokenizer, params)
+DraftFactory = Callable[[ExperimentConfig, Transformer, Tokenizer, SamplingParams], Draft]
+DRAFTS: Registry[DraftFactory] = Registry("pair.draft.kind")
+
+
+@DRAFTS.register("ngram")
+def _ngram_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tokenizer,
+                 params: SamplingParams) -> Draft:
+    return NgramDraft(exp.pair.draft.ngram, target.args.vocab_size)
+
+
+@DRAFTS.register("early_exit")
+def _early_exit_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tokenizer,
+                      params: SamplingParams) -> Draft:
     d = exp.pair.draft
-    if exp.schedule.name == "ar":
-        return None
-    if d.kind == "ngram":
-        return NgramDraft(d.ngram, target.args.vocab_size)
-    if d.kind == "early_exit":
-        if not 1 <= d.exit_layer < target.args.n_layers:
-            raise RealSetupError(f"pair.draft.exit_layer={d.exit_layer} must be in [1, "
-                                 f"{target.args.n_layers - 1}] for this target")
-        return EarlyExitDraft(target, d.exit_layer, params)
+    if not 1 <= d.exit_layer < target.args.n_layers:
+        raise RealSetupError(f"pair.draft.exit_layer={d.exit_layer} must be in [1, "
+                             f"{target.args.n_layers - 1}] for this target")
+    return EarlyExitDraft(target, d.exit_layer, params)
+
+
+@DRAFTS.register("transformer")
+def _model_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tokenizer,
+                 params: SamplingParams) -> Draft:
+    d = exp.pair.draft
     model, tok = load(d.path, "pair.draft", d.name, real_dtype(exp), model_device(exp),
                       cuda_graphs=exp.real.cuda_graphs)
     check_vocab(tokenizer, target, tok, model, d.name)
     return ModelDraft(model, params, d.name)
+
+
+def make_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tokenizer,
+               params: SamplingParams) -> Draft | None:
+    """The pair's draft (None for a schedule without one: `ar`)."""
+    if not spec_of(exp).drafts:
+        return None
+    return DRAFTS.get(exp.pair.draft.kind)(exp, target, tokenizer, params)
 
 
 def build_requests(exp: ExperimentConfig, tokenizer: Tokenizer, max_context: int) -> list[RealRequest]:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from real.errors import RealSetupError
+from real.layouts import RUNNERS, Runner
 from real.pipeline import (
     BASELINE_PHASE,
     SCHEDULE_PHASE,
@@ -38,10 +39,10 @@ from real.pipeline import (
     summary_fields,
 )
 from real.probe_forward import PROBE_CONTEXT, PROBE_TOKENS, RunProbe, role_probes
+from real.schedules import get_schedule
 from real.schedules.decentralized import (
     WindowVerifier,
     alpha_from_tokens,
-    dsd_first_stage,
     make_verifier,
     sends_dists,
 )
@@ -49,6 +50,7 @@ from real.telemetry import Telemetry, run_files
 from testbed.config import ExperimentConfig, real_dtype
 from testbed.metrics import divergence
 from testbed.recorder import RunRecorder, RunResult
+from testbed.schedules import PIPELINE, schedule_impl, spec_of
 from testbed.spec.dsd import draft_params
 from testbed.spec.sampling import SamplingParams
 
@@ -74,9 +76,9 @@ def check(exp: ExperimentConfig) -> None:
     if exp.placement.target_gpus != 1:
         raise RealSetupError(f"placement.target_gpus={exp.placement.target_gpus}: the real pipeline "
                              "runs one process per stage (set placement.target_gpus=1)")
-    if exp.schedule.name == "decentralized" and exp.pair.draft.kind == "early_exit":
+    if spec_of(exp).drafts and exp.pair.draft.kind == "early_exit":
         raise RealSetupError(f"pair.draft={exp.pair.draft.name!r} (early exit) needs the target's "
-                             "first layers on the draft's node; with schedule=decentralized use a draft "
+                             f"first layers on the draft's node; with schedule={exp.schedule.name} use a draft "
                              "model or the n-gram draft")
 
 
@@ -183,10 +185,10 @@ def _first_stage(stage: Stage, exp: ExperimentConfig, served: StageServed, reque
 
     telemetry = Telemetry(exp.real.device)
     with telemetry:
-        if exp.schedule.name == "decentralized":
+        if spec_of(exp).drafts:  # DSD's windows (real/schedules/decentralized.py)
             draft = make_draft(exp, target, tokenizer, draft_params(params, exp.schedule.draft_topk))
             if draft is None:
-                raise _Err("schedule=decentralized needs a draft")
+                raise _Err(f"schedule={exp.schedule.name} needs a draft")
             if isinstance(draft, ModelDraft) and draft.model.max_seq < draft_slots:
                 draft.model.setup_cache(draft_slots)
             # the draft's probe, alone: the other stages wait for the first window
@@ -194,16 +196,17 @@ def _first_stage(stage: Stage, exp: ExperimentConfig, served: StageServed, reque
             probe.take()
             served.extra.update(probe.fields())
             send = sends_dists(params, draft)
+            first_stage = get_schedule(schedule_impl(exp))  # its pipeline entry (real/schedules)
             for req in requests:
-                served.outputs.append(dsd_first_stage(stage, draft, req, eos, exp=exp, rec=stage.rec,
-                                                      send_dists=send, verify=verify_for(req, SCHEDULE_PHASE)))
+                served.outputs.append(first_stage(stage, draft, req, eos, exp=exp, rec=stage.rec,
+                                                  send_dists=send, verify=verify_for(req, SCHEDULE_PHASE)))
         else:
             for req in requests:
                 served.outputs.append(ar_pipeline(stage, req, eos, verify_for(req, SCHEDULE_PHASE),
                                                   rec=stage.rec, phase=SCHEDULE_PHASE))
     served.telemetry, served.telemetry_summary = telemetry.frame(), telemetry.summary()
     served.schedule_end_s = stage.now()
-    if exp.schedule.name != "ar" and exp.real.baseline:
+    if spec_of(exp).drafts and exp.real.baseline:
         served.baseline = RunRecorder(keep_spans=False)
         for req in requests:
             ar_pipeline(stage, req, eos, verify_for(req, BASELINE_PHASE), rec=served.baseline)
@@ -236,7 +239,7 @@ def summary(exp: ExperimentConfig, stages: list[StageServed], rec: RunRecorder,
         out["baseline_nll_per_token"] = _nll_per_token(stages, BASELINE_PHASE, ref)
         if exp.sampling.temperature == 0:
             out.update({"lossless_reference": "ar baseline (temperature 0)", **divergence(outputs, ref)})
-    if s.name != "decentralized":
+    if not spec_of(exp).drafts:  # `ar` over the pipeline: no windows
         return out
     links = exp.placement.nodes if exp.placement.nodes > 1 else 0
     rounds, _, timeline = rec.frames()
@@ -279,7 +282,7 @@ def run_pipeline(exp: ExperimentConfig) -> RunResult:
     first = stages[0]
     rec = merge_records(results)
     rec.spans = [sp for sp in rec.spans if sp[2] < first.schedule_end_s]  # the baseline's are not the run's
-    extra = {"draft": exp.pair.draft.name if exp.schedule.name != "ar" else None,
+    extra = {"draft": exp.pair.draft.name if spec_of(exp).drafts else None,
              "dtype": real_dtype(exp), "threads": 1, "workload_split": exp.workload.split,
              "max_new_tokens": exp.workload.max_new_tokens, "processes": len(results),
              **summary(exp, stages, rec, first.baseline)}
@@ -290,3 +293,6 @@ def run_pipeline(exp: ExperimentConfig) -> RunResult:
     extra.update({k: v for k, v in first.extra.items() if k in ("probe_draft_s", "probe_draft_k8_s", "probe_draft_pair_s")})
     return RunResult(recorder=rec, baseline=first.baseline, extra=extra,
                      artifacts=run_files(first.telemetry, first.telemetry_summary))
+
+
+RUNNERS.register(PIPELINE, Runner(run_pipeline, launches_per_run=True))

@@ -26,6 +26,7 @@ import torch
 from real.runners import sync_device
 from testbed.config import ExperimentConfig, ModelConfig, real_dtype
 from testbed.machine import FORWARD_PROBE_CONTEXT, FORWARD_PROBE_SMALL_K, FORWARD_PROBE_TOKENS
+from testbed.schedules import spec_of
 
 PROBE_CONTEXT = FORWARD_PROBE_CONTEXT  # slot of the probed token
 PROBE_TOKENS = FORWARD_PROBE_TOKENS  # the target's second probe: a verification-sized forward
@@ -93,7 +94,7 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
     from testbed.paths import repo_path
 
     t, d = exp.pair.target, exp.pair.draft
-    key = (t.name, str(t.path), d.name, d.kind, str(d.path), exp.schedule.name == "ar",
+    key = (t.name, str(t.path), d.name, d.kind, str(d.path), not spec_of(exp).drafts,
            real_dtype(exp), exp.real.threads)
     if key in _readings and time.monotonic() - _readings[key][0] < REUSE_S:
         return _readings[key][1]
@@ -108,7 +109,7 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
             target.graph_forwards = (GraphedForwards(target) if exp.real.cuda_graphs
                                      and target.device.type == "cuda" else None)
             _models.clear()  # one pair's models at a time
-            drafts = [] if exp.schedule.name == "ar" else [d]
+            drafts = [d] if spec_of(exp).drafts else []
             _models[key] = probe_functions(exp, target, tokenizer, drafts)
         reading = time_functions(_models[key])
     finally:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from sim.cost import COST_MODELS
+from sim.oracle import ORACLES
 from testbed.backends import Backend, register
 from testbed.config import ExperimentConfig
 
@@ -26,15 +28,14 @@ def replay_seconds(exp: ExperimentConfig, run_dir: Path) -> dict[int, float]:
 def preload() -> None:
     """Everything a simulated run imports on first use: the engine, the synthetic oracle and
     every schedule (most import torch: 2 s that a sweep worker would pay inside its first job)."""
-    import importlib
-    import pkgutil
-
     import sim.engine  # noqa: F401
     import sim.oracle_synthetic  # noqa: F401
-    import sim.schedules
+    from sim.schedules import get_schedule
+    from testbed.schedules import implementations
 
-    for m in pkgutil.iter_modules(sim.schedules.__path__):
-        importlib.import_module(f"sim.schedules.{m.name}")
+    for impl in implementations("sim"):
+        get_schedule(impl)
 
 
-BACKEND = register(Backend(name="sim", run=run, replay_seconds=replay_seconds, preload=preload))
+BACKEND = register(Backend(name="sim", run=run, replay_seconds=replay_seconds, preload=preload,
+                           options={"sim.cost_model": COST_MODELS, "acceptance": ORACLES}))

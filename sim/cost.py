@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from testbed.config import ExperimentConfig
+from testbed.registry import Registry
 
 Role = Literal["target", "draft"]
 
@@ -100,22 +101,13 @@ class AnalyticCost(CostModel):
         return self.forward(role, prompt_len, 0)
 
 
-COST_MODELS: dict[str, Callable[[ExperimentConfig], CostModel]] = {"analytic": AnalyticCost}
-
-
-def register(name: str) -> Callable[[Callable[[ExperimentConfig], CostModel]],
-                                     Callable[[ExperimentConfig], CostModel]]:
-    def deco(factory: Callable[[ExperimentConfig], CostModel]) -> Callable[[ExperimentConfig], CostModel]:
-        COST_MODELS[name] = factory
-        return factory
-    return deco
+# the values of sim.cost_model: roofline and profile register themselves when first used
+COST_MODELS: Registry[Callable[[ExperimentConfig], CostModel]] = Registry("sim.cost_model")
+COST_MODELS.register("analytic", AnalyticCost)
+COST_MODELS.declare("roofline", "sim.cost_roofline")
+COST_MODELS.declare("profile", "sim.cost_profile")
+register = COST_MODELS.register
 
 
 def make_cost_model(exp: ExperimentConfig) -> CostModel:
-    name = exp.sim.cost_model
-    if name not in COST_MODELS:
-        # roofline/profile register themselves on import
-        import importlib
-
-        importlib.import_module(f"sim.cost_{name}")
-    return COST_MODELS[name](exp)
+    return COST_MODELS.get(exp.sim.cost_model)(exp)

@@ -70,6 +70,7 @@ from testbed.links import LinkModel
 from testbed.machine import FORWARD_PROBE_CONTEXT
 from testbed.paths import profile_path
 from testbed.placement import tp_degrees  # noqa: F401  (re-exported: the TP degree per role)
+from testbed.schedules import find, spec_of
 
 MIN_ROUNDS = 5  # rescale: rounds of one k needed for a k of its own
 
@@ -85,7 +86,8 @@ class ProfileCost(CostModel):
         params = SamplingParams(exp.sampling.temperature, top_k=exp.sampling.top_k, top_p=exp.sampling.top_p)
         self.sampling_mode = sampling_mode(params)
         self.modes = {"target": self.sampling_mode, "draft": self.sampling_mode}
-        if exp.schedule.name == "decentralized":  # DSD's draft samples from its top-k (testbed.spec.dsd)
+        spec = spec_of(exp)
+        if "schedule.draft_topk" in spec.reads:  # DSD's draft samples from its top-k (testbed.spec.dsd)
             from testbed.spec.dsd import draft_params
 
             self.modes["draft"] = sampling_mode(draft_params(params, exp.schedule.draft_topk))
@@ -96,7 +98,7 @@ class ProfileCost(CostModel):
         self._forward: dict[str, Table2D | Table1D] = {}
         self._accept: Table1D | None = None
         self._pick = 0.0
-        self.ar = exp.schedule.name == "ar"
+        self.ar = not spec.drafts
         self._prefill: dict[str, Table1D | None] = {}
         self._tree_expand: Table1D | None = None  # a draft tree expansion beyond its forward
         self._tree_rounds: tuple[Table1D, Table1D] | None = None  # a tree's (select, re-root) per round
@@ -106,9 +108,9 @@ class ProfileCost(CostModel):
         self.warm_draft = 1.0  # a draft step after a draft step, over one alone (run_probe sets it)
         # async: the groups run concurrently; factor against k with the other group busy
         self._contended: dict[str, tuple[list[float], list[float]]] = {}
-        self.concurrent = exp.schedule.name == "async"
+        self.concurrent = spec.concurrent
         for role in ("target", "draft"):
-            if role == "draft" and exp.schedule.name == "ar":
+            if role == "draft" and not spec.drafts:
                 continue
             self._bind(role)
         self.scale = {"target": 1.0, "draft": 1.0}
@@ -259,7 +261,8 @@ class ProfileCost(CostModel):
         plen = dict(zip(requests["request_id"], requests["prompt_len"]))
         summary_file = run_dir / "summary.json"
         summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-        tree = summary.get("schedule") == "sync_tree"
+        recorded = find(summary.get("schedule"))
+        tree = recorded is not None and recorded.serial and recorded.tree  # a serial tree's rounds
         width = int(summary.get("tree_width") or 1)
         depth = int(summary.get("tree_depth_used") or summary.get("gamma") or 1)
         if "verified_tokens" not in rounds:

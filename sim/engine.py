@@ -4,14 +4,13 @@ Requests are served one after another (single-request latency, batch size 1, as 
 papers). The `ar` baseline runs the same requests with the target placed on every GPU the
 experiment occupies (target_gpus, plus draft_gpus when the draft has GPUs of its own), so that
 `speedup` compares speculation against plain decoding on the same hardware; for `decentralized`
-it runs over the same pipeline of nodes and links. Schedules may add summary fields through
+it runs over the same pipeline of nodes and links (``ScheduleSpec.ar_baseline``). Schedules may add summary fields through
 ``ctx.extra`` (they land in summary.json).
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
 import sys
 import time
 
@@ -19,23 +18,26 @@ import simpy
 
 from sim.context import SimContext, SimRequest
 from sim.cost import CostModel, make_cost_model
-from sim.oracle import TokenOracle, make_oracle
+from sim.oracle import ORACLES, TokenOracle, make_oracle
 from sim.schedules import get_schedule
 from testbed.config import ExperimentConfig
 from testbed.recorder import RunRecorder, RunResult
-from testbed.schedules import schedule_impl
+from testbed.schedules import ALL_DEVICES, BASELINE, SAME_PIPELINE, schedule_impl, spec_of
 
 
 def baseline_experiment(exp: ExperimentConfig) -> ExperimentConfig:
-    """The same experiment decoded autoregressively on all the GPUs it occupies."""
+    """The same experiment decoded autoregressively where its declaration places its `ar`
+    baseline (``ScheduleSpec.ar_baseline``): on the target's GPUs, on every GPU its groups
+    occupy (``all_devices``), or over its own pipeline of nodes (``same_pipeline``)."""
+    where = spec_of(exp).ar_baseline
     base = copy.deepcopy(exp)
-    base.schedule.name = "ar"
+    base.schedule.name = BASELINE
     base.schedule.tree = False
     pl = exp.placement
-    if exp.schedule.name == "async":
+    if where == ALL_DEVICES:
         base.placement.target_gpus = min(pl.target_gpus + pl.draft_gpus, exp.hardware.gpus_per_node)
-    if exp.schedule.name != "decentralized":
-        base.placement.nodes = 1  # only decentralized pipelines the target; its `ar` keeps them
+    if where != SAME_PIPELINE:
+        base.placement.nodes = 1  # only a pipelined schedule's `ar` keeps its nodes
     return base
 
 
@@ -75,7 +77,7 @@ def simulate(exp: ExperimentConfig, requests: list[SimRequest], seed: int,
     if exp.sim.profile_drift != "none":  # how much slower the machine is now than profiled
         ctx.extra["profile_drift_factor"] = round(getattr(ctx.cost, "drift", 1.0), 4)
         by_role = getattr(ctx.cost, "drift_by_role", {})
-        if "draft" in by_role and exp.schedule.name != "ar":
+        if "draft" in by_role and spec_of(exp).drafts:
             ctx.extra["profile_drift_factor_draft"] = round(by_role["draft"], 4)
         if getattr(ctx.cost, "drift_k8", None) is not None:  # run_probe: the target's at 8 tokens
             ctx.extra["profile_drift_factor_k8"] = round(ctx.cost.drift_k8, 4)
@@ -89,9 +91,8 @@ def run(exp: ExperimentConfig) -> RunResult:
     # softmax over 8 floats takes ms instead of µs when the cores are busy). One thread.
     # torch is imported only by the schedules and oracles that need it (not sync + iid)
     get_schedule(schedule_impl(exp))
-    get_schedule("ar")
-    if exp.acceptance.oracle != "iid":
-        importlib.import_module(f"sim.oracle_{exp.acceptance.oracle}")
+    get_schedule(BASELINE)
+    ORACLES.get(exp.acceptance.oracle)
     torch = sys.modules.get("torch")
     if torch is None:
         return _run(exp)
@@ -111,7 +112,7 @@ def _run(exp: ExperimentConfig) -> RunResult:
     rec = simulate(exp, requests, seed=exp.seed, extra=schedule_extra, cost=cost)
     wall = time.perf_counter() - t0
     baseline = None
-    if exp.schedule.name != "ar":
+    if spec_of(exp).ar_baseline is not None:
         base, base_cost = baseline_experiment(exp), None
         if exp.sim.profile_drift == "run_probe":
             # the real run's `ar` baseline ran in its processes: the prediction's drift holds for it

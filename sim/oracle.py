@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from testbed.config import ExperimentConfig
+from testbed.registry import Registry
 from testbed.spec.lookahead import Decision, LookaheadPolicy
 from testbed.spec.prefix import accepted_prefix
 
@@ -95,7 +96,11 @@ class IidOracle(TokenOracle):
 # ----------------------------------------------------------------------------------------------
 
 
-ORACLES: dict[str, type[TokenOracle]] = {"iid": IidOracle}
+# the values of acceptance= (conf/acceptance/): synthetic and trace register themselves when first used
+ORACLES: Registry[type[TokenOracle]] = Registry("acceptance")
+ORACLES.register("iid", IidOracle)
+ORACLES.declare("synthetic", "sim.oracle_synthetic")
+ORACLES.declare("trace", "sim.oracle_trace")
 LAZY = {"SyntheticLM", "SyntheticSequence", "SyntheticOracle"}  # in sim/oracle_synthetic.py (torch)
 
 
@@ -108,9 +113,4 @@ def __getattr__(name: str) -> object:
 
 
 def make_oracle(exp: ExperimentConfig, seed: int) -> TokenOracle:
-    name = exp.acceptance.oracle
-    if name not in ORACLES:
-        import importlib
-
-        importlib.import_module(f"sim.oracle_{name}")  # registers itself in ORACLES
-    return ORACLES[name](exp, seed)
+    return ORACLES.get(exp.acceptance.oracle)(exp, seed)

@@ -153,4 +153,4 @@ class SyntheticOracle(TokenOracle):
 
 
 
-ORACLES["synthetic"] = SyntheticOracle
+ORACLES.register("synthetic", SyntheticOracle)

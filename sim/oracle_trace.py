@@ -43,7 +43,7 @@ import pandas as pd
 from sim.oracle import ORACLES, ChainOutcome, SequenceOracle, TokenOracle
 from testbed.config import ConfigError, ExperimentConfig
 from testbed.results import run_split
-from testbed.schedules import schedule_impl
+from testbed.schedules import describe, names_where, schedule_impl, spec, spec_of, tree_variant
 from testbed.spec.lookahead import FEATURES, Decision, LookaheadPolicy
 from testbed.spec.speculative import accepted_prefix
 from testbed.workloads import TRACE_SOURCE
@@ -52,8 +52,10 @@ from testbed.workloads import TRACE_SOURCE
 def howto(exp: ExperimentConfig) -> str:
     """How to record the trace this experiment asks for: a real run of the same pair, workload,
     temperature and schedule kind (a command that recorded another pair would not be found)."""
-    kind = ("schedule=sync schedule.tree=true" if exp.schedule.tree else
-            "schedule=decentralized" if exp.schedule.name == "decentralized" else "schedule=sync")
+    source = spec_of(exp).trace_from or schedule_impl(exp)  # the recording its replay selects
+    if exp.schedule.tree:  # with a tree flag: that schedule's tree variant, where it has one
+        source = getattr(tree_variant(source), "name", source)
+    kind = f"schedule={spec(source).schedule}" + (" schedule.tree=true" if spec(source).tree_of else "")
     temp = f" sampling.temperature={exp.sampling.temperature:g}" if exp.sampling.temperature else ""
     return (f"record one with `python -m testbed backend=real {kind} pair={exp.pair.name} "
             f"workload={exp.workload.name}{temp} workload.split=calibrate` "
@@ -132,14 +134,10 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
         path = path.parent
     if not path.exists():
         raise ConfigError("acceptance.trace_path", str(path), f"an existing directory; {howto(exp)}")
-    # `ar` (a baseline) replays nothing: the rounds of either kind do
-    wanted = {"sync_tree"} if exp.schedule.tree else {"sync"} if exp.schedule.name == "sync" else {"sync", "sync_tree"}
-    if exp.schedule.name == "decentralized":  # DSD replays DSD: its rounds hold the adaptive rule's outcomes
-        wanted = {"decentralized"}
-    elif exp.schedule.name == "async":  # an async run's own rounds, else a serial tree's
-        wanted = {"async", "sync_tree"}
-    elif exp.schedule.name == "ar":  # any recorded run will do (the async prediction's baseline
-        wanted = {"sync", "sync_tree", "async", "decentralized"}  # may find only async runs)
+    # the recorded implementations this one replays (its declaration's ``replays``: DSD replays
+    # DSD, whose rounds hold the adaptive rule's outcomes; async its own rounds, else a serial
+    # tree's; `ar`, a prediction's baseline, any recorded run)
+    wanted = set(spec_of(exp).replays)
     runs = [(d, s) for d, s in _runs_below(path) if s.get("schedule") in wanted
             and (d / "rounds.parquet").exists()]
     if (path / "summary.json").exists():
@@ -151,11 +149,11 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
     source = [(d, s) for d, s in runs if run_split(d, s) == TRACE_SOURCE.get(own, "calibrate")]
     if source:
         runs = source
-    elif exp.schedule.name == "decentralized" and any(run_split(d, s) == own for d, s in runs):
+    elif spec_of(exp).pipelined and any(run_split(d, s) == own for d, s in runs):
         # `+sweep=wan`: a WAN prediction is about time, so it replays the measured grid point's
         # own rounds (the preferences below pick that run)
         runs = [(d, s) for d, s in runs if run_split(d, s) == own]
-    elif own != "all" and exp.schedule.name != "ar":  # never replay the predicted prompts' own
+    elif own != "all" and spec_of(exp).drafts:  # never replay the predicted prompts' own
         # acceptance (`ar` accepts nothing: a WAN prediction's baseline may use its own run)
         runs = [(d, s) for d, s in runs if run_split(d, s) not in (own, "all")]
     if exp.backend == "sim":
@@ -185,7 +183,7 @@ def _same_gamma(s: dict, exp: ExperimentConfig) -> bool:
 
 def _same_tree(s: dict, exp: ExperimentConfig) -> bool:
     t = exp.schedule
-    if t.name == "async":  # d is chosen at run time unless schedule.tree_depth sets it
+    if spec_of(exp).concurrent:  # d is chosen at run time (async) unless schedule.tree_depth sets it
         return (s.get("tree_width") == t.tree_width and s.get("tree_budget") == t.tree_budget
                 and (not t.tree_depth or s.get("tree_depth_used") == t.tree_depth))
     return not t.tree or (s.get("tree_width") == t.tree_width and s.get("tree_budget") == t.tree_budget
@@ -194,7 +192,7 @@ def _same_tree(s: dict, exp: ExperimentConfig) -> bool:
 
 def _same_dsd(s: dict, exp: ExperimentConfig) -> bool:
     """A decentralized run of the same pipeline, links and relaxation (τ changes acceptance)."""
-    if exp.schedule.name != "decentralized":
+    if not spec_of(exp).pipelined:
         return True
     tau = exp.schedule.tau if exp.schedule.adaptive else 0.0
     return (s.get("nodes") == exp.placement.nodes and s.get("latency_ms") == exp.network.latency_ms
@@ -210,7 +208,7 @@ def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
     """Every recorded request of the selected runs, in order; ConfigError when there is none.
     Per-token draft features are loaded when the lookahead policy reads them."""
     # `ar` (a prediction's baseline, which keeps the policy setting) drafts nothing
-    with_features = exp.lookahead.policy in ("confidence", "disco") and exp.schedule.name != "ar"
+    with_features = exp.lookahead.policy in ("confidence", "disco") and spec_of(exp).drafts
     raw = exp.acceptance.trace_path
     if not raw:
         raise ConfigError("acceptance.trace_path", raw, f"a real run directory (acceptance=trace replays one); {howto(exp)}")
@@ -340,10 +338,10 @@ class TraceSequence(SequenceOracle):
 
 class TraceOracle(TokenOracle):
     def __init__(self, exp: ExperimentConfig, seed: int) -> None:
-        if exp.schedule.name not in ("sync", "ar", "async", "decentralized"):
+        if not spec_of(exp).replays:
+            replaying = ", ".join(describe(n) for n in names_where(lambda s: bool(s.replays)))
             raise ConfigError("acceptance", "trace", f"iid or synthetic with schedule={exp.schedule.name} "
-                              "(a trace replays the rounds of sync, ar, the serial tree, async or "
-                              "decentralized)")
+                              f"(a trace replays the rounds of {replaying})")
         self.traces = load_trace(exp)
         self.seed = seed
 
@@ -352,4 +350,4 @@ class TraceOracle(TokenOracle):
         return TraceSequence(trace, random.Random(1_000_003 * self.seed + request_id))
 
 
-ORACLES["trace"] = TraceOracle
+ORACLES.register("trace", TraceOracle)

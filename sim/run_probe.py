@@ -38,6 +38,7 @@ from testbed.config import ConfigError, ExperimentConfig
 from testbed.machine import FORWARD_PROBE_SMALL_K, FORWARD_PROBE_TOKENS
 from testbed.metrics import experiment_key
 from testbed.results import run_split
+from testbed.schedules import spec_of
 
 FIELDS = {"target": "probe_target_s", "target_k8": "probe_target_k8_s", "draft": "probe_draft_s",
           "draft_k8": "probe_draft_k8_s",
@@ -58,7 +59,7 @@ def _same_point(s: dict[str, Any], exp: ExperimentConfig) -> bool:
                 return False
         elif s.get(k) != v:
             return False
-    if exp.schedule.name == "decentralized":
+    if spec_of(exp).pipelined:
         tau = exp.schedule.tau if exp.schedule.adaptive else 0.0
         return (float(s.get("latency_ms") or 0.0) == float(exp.network.latency_ms)
                 and float(s.get("tau") or 0.0) == float(tau))

@@ -13,7 +13,7 @@ layer range for a pipeline stage). Directed edges carry a ``Link`` (sim.links) i
 
 Layouts (``testbed.placement.layout``):
 
-- ``async``: groups ``target`` and ``draft`` on disjoint GPUs of machine 0, an NVLink each way.
+- ``two_groups`` (``async``): groups ``target`` and ``draft`` on disjoint GPUs of machine 0, an NVLink each way.
 - ``pipeline`` (``decentralized``, and ``ar`` with ``placement.nodes > 1``): the target as
   ``placement.nodes`` stages ``stage0..stage{N-1}`` on machines 0..N-1, layers split as evenly as
   possible (the first ``L mod N`` stages get one more); the draft (node ``draft``,
@@ -34,6 +34,7 @@ from sim.links import Link
 from testbed.config import ExperimentConfig
 from testbed.placement import Placement, layout, link_name, make_placement, split_layers, stage_name
 from testbed.recorder import RunRecorder
+from testbed.schedules import PIPELINE
 
 __all__ = ["Topology", "build_topology", "layout", "link_name", "split_layers", "stage_name"]
 
@@ -68,7 +69,7 @@ def build_topology(exp: ExperimentConfig, env: simpy.Environment,
     for grp in pl.groups:
         g.add_node(grp.name, machine=grp.machine, gpus=len(grp.ranks), role=grp.role,
                    layers=grp.layers)
-    if pl.layout == "pipeline":  # the draft shares stage 0's machine and GPUs
+    if pl.layout == PIPELINE:  # the draft shares stage 0's machine and GPUs
         g.add_node("draft", machine=0, gpus=exp.placement.draft_gpus, role="draft", layers=None)
     for lk in pl.links:
         g.add_edge(lk.src, lk.dst, link=Link.of(env, lk.model, exp.seed, rec))

@@ -18,18 +18,23 @@ Hooks (None where a backend has no such capability):
 - ``preload()``: import what its runs import on first use (a joblib sweep worker warms up while
   the pre-run check runs: testbed.worker_pool).
 
-A hook that only one backend provides is found with ``hook(name)``.
+A hook that only one backend provides is found with ``hook(name)``. ``options``: the values a
+setting may take that only the backend knows, each a ``Registry`` (the simulator's
+``sim.cost_model`` and ``acceptance`` oracles): ``option_names(key)`` lists them for the
+validation and ``--help``.
+
+``BACKENDS`` is a ``Registry`` (testbed.registry): ``sim`` and ``real`` are declared here by the
+module that registers them, so their names are known without importing either.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testbed.schedules import BACKENDS
+from testbed.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -42,28 +47,40 @@ class Backend:
     replay_seconds: Callable[[Any, Path], dict[int, float]] | None = None
     preload: Callable[[], None] | None = None
     probe_forward: Callable[[Any], dict[str, float]] | None = None
+    options: Mapping[str, Registry[Any]] = field(default_factory=dict)
 
 
-_REGISTRY: dict[str, Backend] = {}
+BACKENDS: Registry[Backend] = Registry("backend")
+for _name in ("sim", "real"):  # the values of backend=; each NAME/backend.py registers itself
+    BACKENDS.declare(_name, f"{_name}.backend")
 
 
 def register(backend: Backend) -> Backend:
-    _REGISTRY[backend.name] = backend
-    return backend
+    return BACKENDS.register(backend.name, backend)
 
 
 def get(name: str) -> Backend:
     """The backend called ``name``, importing its ``NAME.backend`` module on first use."""
-    if name not in _REGISTRY:
-        if name not in BACKENDS:
-            raise KeyError(f"backend {name!r}: allowed {', '.join(BACKENDS)}")
-        importlib.import_module(f"{name}.backend")
-    return _REGISTRY[name]
+    return BACKENDS.get(name)
+
+
+def names() -> tuple[str, ...]:
+    return BACKENDS.names()
 
 
 def registered() -> list[Backend]:
     """The backends imported so far (nothing is imported here)."""
-    return list(_REGISTRY.values())
+    return BACKENDS.loaded()
+
+
+def option_names(key: str) -> tuple[str, ...]:
+    """The values of setting ``key`` (e.g. ``sim.cost_model``) from the backend that declares
+    them; () when none does."""
+    for backend in BACKENDS.names():
+        reg = get(backend).options.get(key)
+        if reg is not None:
+            return reg.names()
+    return ()
 
 
 def user_error_types() -> tuple[type[Exception], ...]:
@@ -73,7 +90,7 @@ def user_error_types() -> tuple[type[Exception], ...]:
 
 def hook(name: str) -> Callable[..., Any] | None:
     """The first backend's (in BACKENDS order) hook ``name``, or None if no backend has it."""
-    for backend in BACKENDS:
+    for backend in BACKENDS.names():
         fn = getattr(get(backend), name)
         if fn is not None:
             return fn

@@ -35,7 +35,12 @@ HIDDEN_GROUPS = ("model", "split", "validate")  # parts of pairs and sweeps
 
 
 def _options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    names = {p.stem for p in (CONF_DIR / group).glob("*.yaml")}
+    if group == "schedule":  # and the schedules of plug-ins (testbed.schedules)
+        from testbed.schedules import schedule_names
+
+        names |= set(schedule_names())
+    return sorted(names)
 
 
 def _settings() -> dict[str, list[tuple[str, str, str]]]:

@@ -16,12 +16,18 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from testbed.paths import CONF_DIR
+from testbed.registry import Registry
 
-ORACLES = ("iid", "synthetic", "trace")
-COST_MODELS = ("analytic", "roofline", "profile")
+# acceptance oracles and cost models are the simulator's: their names come from its registries
+# (testbed.backends.option_names("acceptance"), option_names("sim.cost_model"))
 PROFILE_DRIFTS = ("none", "probe", "forward", "run_probe")
 WORKLOADS = ("synthetic", "humaneval", "mtbench", "alpaca")
-MODEL_KINDS = ("transformer", "ngram", "early_exit")
+# what a model of a pair is (pair.target.kind, pair.draft.kind); the real backend builds a draft
+# of each kind from its own registry (real/loading.py DRAFTS)
+MODEL_KINDS: Registry[str] = Registry("model kind")
+MODEL_KINDS.register("transformer", "a decoder with weights of its own")
+MODEL_KINDS.register("ngram", "prompt lookup: the longest n-gram match proposes its continuation (drafts only)")
+MODEL_KINDS.register("early_exit", "the target's first exit_layer layers and its head (drafts only)")
 MLPS = ("swiglu", "gelu")  # gelu: GPTBigCode/StarCoder, 2 matrices instead of 3
 QUANTS = ("fp32", "bf16", "fp16", "int8", "int4_awq", "q4_1")
 
@@ -253,14 +259,17 @@ class ExperimentConfig:
 
 
 def default_gpus(role: str, schedule: str, gpus_per_node: int, hardware: str = "") -> int:
-    """Placement defaults: every GPU for both models, except `async`, which needs disjoint
-    groups — 3/8 of the node for the draft (SwiftSpec's best Llama-3-70B split is 5+3).
+    """Placement defaults: every GPU for both models, except a ``two_groups`` schedule
+    (`async`), which needs disjoint groups — 3/8 of the node for the draft (SwiftSpec's best Llama-3-70B split is 5+3).
     hardware=local (this machine, simulated or real): one device per group (a device is a core
     on CPU), so a real run stays in one process unless tensor parallelism or an async split is
     asked for, and the simulator predicts the same placement."""
+    from testbed.schedules import TWO_GROUPS, find
+
     if hardware == "local":
         return 1
-    if schedule != "async" or gpus_per_node < 2:
+    spec = find(schedule)
+    if spec is None or spec.layout != TWO_GROUPS or gpus_per_node < 2:
         return gpus_per_node
     draft = max(1, round(3 * gpus_per_node / 8))
     return draft if role == "draft" else gpus_per_node - draft

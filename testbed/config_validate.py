@@ -3,11 +3,10 @@ the dataclasses); a bad one raises ``ConfigError`` naming the key, the value and
 
 from __future__ import annotations
 
+from testbed import backends
 from testbed.config import (
-    COST_MODELS,
     MLPS,
     MODEL_KINDS,
-    ORACLES,
     PROFILE_DRIFTS,
     QUANTS,
     WORKLOADS,
@@ -15,8 +14,8 @@ from testbed.config import (
     ExperimentConfig,
     ModelConfig,
 )
-from testbed.schedules import BACKENDS, SCHEDULES, unsupported
-from testbed.spec.lookahead import POLICIES as LOOKAHEADS
+from testbed.schedules import TWO_GROUPS, schedule_names, spec_of, unsupported
+from testbed.spec.lookahead import LOOKAHEADS
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -41,7 +40,7 @@ def _float_range(key: str, value: float, lo: float, hi: float | None = None,
 
 
 def _validate_model(prefix: str, m: ModelConfig, backend: str) -> None:
-    _choice(f"{prefix}.kind", m.kind, MODEL_KINDS)
+    _choice(f"{prefix}.kind", m.kind, MODEL_KINDS.names())
     _choice(f"{prefix}.quant", m.quant, QUANTS)
     _choice(f"{prefix}.mlp", m.mlp, MLPS)
     if m.kind == "transformer":
@@ -59,7 +58,7 @@ def _validate_lookahead(exp: ExperimentConfig) -> None:
     from testbed.spec.lookahead import PER_TOKEN, ClassifierError, load_classifier, resolve_path
 
     la, s = exp.lookahead, exp.schedule
-    _choice("lookahead", la.policy, LOOKAHEADS)
+    _choice("lookahead", la.policy, LOOKAHEADS.names())
     if la.threshold is not None:
         if la.policy not in ("confidence", "disco"):
             raise ConfigError("lookahead.threshold", la.threshold,
@@ -67,7 +66,7 @@ def _validate_lookahead(exp: ExperimentConfig) -> None:
         _float_range("lookahead.threshold", la.threshold, 0.0, 1.0)
     if la.path is not None and la.policy != "disco":
         raise ConfigError("lookahead.path", la.path, f"unset with lookahead={la.policy} (only disco loads a classifier)")
-    if la.policy in PER_TOKEN and (s.name != "sync" or s.tree):
+    if la.policy in PER_TOKEN and not spec_of(exp).chain:
         raise ConfigError("lookahead", la.policy, "static or heuristic with schedule=" + s.name
                           + (" (tree)" if s.tree else "") + " (per-token stopping runs in the sync chain)")
     if la.policy in ("confidence", "disco") and exp.backend == "sim" and exp.acceptance.oracle == "iid":
@@ -85,10 +84,11 @@ def _validate_lookahead(exp: ExperimentConfig) -> None:
 
 def validate(exp: ExperimentConfig) -> ExperimentConfig:
     """Raise ConfigError on the first bad value; return the config unchanged otherwise."""
-    _choice("backend", exp.backend, BACKENDS)
+    _choice("backend", exp.backend, backends.names())
     _int_range("seed", exp.seed, 0)
     s = exp.schedule
-    _choice("schedule", s.name, SCHEDULES)
+    _choice("schedule", s.name, schedule_names())
+    spec = spec_of(exp)
     _int_range("schedule.gamma", s.gamma, 1, 64)
     _int_range("schedule.tree_width", s.tree_width, 1, 256)
     _int_range("schedule.tree_budget", s.tree_budget, 1, 1024)
@@ -122,15 +122,15 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     n = hw.gpus_per_node
     _int_range("placement.target_gpus", pl.target_gpus, 1, n)
     _int_range("placement.draft_gpus", pl.draft_gpus, 1, n)
-    if s.name == "async" and pl.target_gpus + pl.draft_gpus > n:
+    if spec.layout == TWO_GROUPS and pl.target_gpus + pl.draft_gpus > n:
         raise ConfigError("placement.draft_gpus", pl.draft_gpus,
-                          f"at most {n - pl.target_gpus}: async puts draft and target on disjoint GPUs "
+                          f"at most {n - pl.target_gpus}: {s.name} puts draft and target on disjoint GPUs "
                           f"and placement.target_gpus={pl.target_gpus} of {n} are taken")
-    if s.name == "async" and d.kind == "early_exit":
-        raise ConfigError("pair.draft.kind", d.kind, "transformer or ngram with schedule=async "
-                          "(an early-exit draft runs on the target's GPUs, async needs its own)")
+    if spec.layout == TWO_GROUPS and d.kind == "early_exit":
+        raise ConfigError("pair.draft.kind", d.kind, f"transformer or ngram with schedule={s.name} "
+                          f"(an early-exit draft runs on the target's GPUs, {s.name} needs its own)")
     _int_range("placement.nodes", pl.nodes, 1, 64)
-    if s.name in ("decentralized", "ar") and pl.nodes > t.layers:
+    if "placement.nodes" in spec.reads and pl.nodes > t.layers:
         raise ConfigError("placement.nodes", pl.nodes, f"at most the target's {t.layers} layers")
 
     net = exp.network
@@ -139,16 +139,16 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _float_range("network.jitter_ms", net.jitter_ms, 0.0)
 
     a = exp.acceptance
-    _choice("acceptance", a.oracle, ORACLES)
+    _choice("acceptance", a.oracle, backends.option_names("acceptance"))
     _float_range("acceptance.alpha", a.alpha, 0.0, 1.0, hi_open=True)
     _int_range("acceptance.vocab", a.vocab, 2, 1 << 20)
     _int_range("schedule.draft_topk", s.draft_topk, 0)
-    if exp.backend == "sim" and s.name == "decentralized" and s.adaptive and a.oracle == "iid":
+    if exp.backend == "sim" and "schedule.adaptive" in spec.reads and s.adaptive and a.oracle == "iid":
         raise ConfigError("schedule.adaptive", s.adaptive, "false with acceptance=iid (DSD adaptive "
                           "verification needs token distributions: use acceptance=synthetic)")
 
     sm = exp.sim
-    _choice("sim.cost_model", sm.cost_model, COST_MODELS)
+    _choice("sim.cost_model", sm.cost_model, backends.option_names("sim.cost_model"))
     _float_range("sim.c", sm.c, 0.0)
     _float_range("sim.t_target_ms", sm.t_target_ms, 0.0, lo_open=True)
     _choice("sim.profile_drift", sm.profile_drift, PROFILE_DRIFTS)

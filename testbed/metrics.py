@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 
 from testbed.config import ExperimentConfig
-from testbed.schedules import schedule_impl
+from testbed.schedules import schedule_impl, spec_of
 
 KEY_FIELDS = ("backend", "schedule", "pair", "hardware", "target_gpus", "draft_gpus", "nodes",
               "gamma", "workload", "temperature", "seed", "lookahead")
@@ -44,19 +44,20 @@ def tree_shape(summary: dict[str, Any]) -> str | None:
 
 
 def experiment_key(exp: ExperimentConfig) -> dict[str, Any]:
+    drafts = spec_of(exp).drafts  # a schedule without a draft (`ar`) has no draft GPUs, γ or policy
     return {
         "backend": exp.backend,
         "schedule": schedule_impl(exp),
         "pair": exp.pair.name,
         "hardware": exp.hardware.name,
         "target_gpus": exp.placement.target_gpus,
-        "draft_gpus": exp.placement.draft_gpus if exp.schedule.name != "ar" else 0,
+        "draft_gpus": exp.placement.draft_gpus if drafts else 0,
         "nodes": exp.placement.nodes,
-        "gamma": exp.schedule.gamma if exp.schedule.name != "ar" else 0,
+        "gamma": exp.schedule.gamma if drafts else 0,
         "workload": exp.workload.name,
         "temperature": exp.sampling.temperature,
         "seed": exp.seed,
-        "lookahead": exp.lookahead.policy if exp.schedule.name != "ar" else "static",
+        "lookahead": exp.lookahead.policy if drafts else "static",
     }
 
 

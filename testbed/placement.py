@@ -4,13 +4,15 @@ One description for both backends: ``sim/topology.py`` turns it into SimPy links
 groups, ``real/runtime.py`` into worker processes (one rank per device) and torch.distributed
 process groups (one per channel).
 
-Layouts (``layout(exp)``):
+Layouts (``layout(exp)``: the schedule's declared ``ScheduleSpec.layout``, testbed.schedules;
+a one-group schedule over ``placement.nodes > 1`` is pipelined, one with ``schedule.tree=true``
+laid out as a tree):
 
 - ``single`` — ``ar``/``sync``: one group ``target`` on ``placement.target_gpus`` devices running
   both models, tensor parallel over the group; no links.
 - ``tree`` — ``sync`` with ``schedule.tree=true`` (SwiftSpec-base): both models on all devices of
   the placement, one group ``target``, one after the other; no links.
-- ``async`` — a ``target`` group (``placement.target_gpus``) and a disjoint ``draft`` group
+- ``two_groups`` — ``async``: a ``target`` group (``placement.target_gpus``) and a disjoint ``draft`` group
   (``placement.draft_gpus``) on one machine, TP inside each; the *bridge* channel joins their
   leaders and carries ``link draft->target`` and ``link target->draft`` (the machine's NVLink
   figures from ``hardware=``).
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 
 from testbed.config import ConfigError, ExperimentConfig
 from testbed.links import LinkModel, bandwidth_Bps
+from testbed.schedules import PIPELINE, SINGLE, TREE, TWO_GROUPS, schedule_names, spec, spec_of
 
 TP, BRIDGE, STAGE = "tp", "bridge", "stage"
 
@@ -126,7 +129,7 @@ class RankInfo:
 
 @dataclass(frozen=True)
 class Placement:
-    layout: str  # single | tree | async | pipeline
+    layout: str  # single | tree | two_groups | pipeline
     world_size: int
     devices_per_machine: int
     groups: tuple[Group, ...]
@@ -171,14 +174,14 @@ class Placement:
 
 
 def layout(exp: ExperimentConfig) -> str:
-    s = exp.schedule
-    if s.name == "async":
-        return "async"
-    if s.name == "decentralized" or exp.placement.nodes > 1:
-        return "pipeline"
-    if s.tree:
-        return "tree"
-    return "single"
+    declared = spec_of(exp).layout
+    if declared in (TWO_GROUPS, PIPELINE):
+        return declared
+    if exp.placement.nodes > 1:
+        return PIPELINE
+    if exp.schedule.tree:
+        return TREE
+    return declared
 
 
 def device_count(exp: ExperimentConfig) -> int:
@@ -193,7 +196,7 @@ def device_count(exp: ExperimentConfig) -> int:
 
 
 def _draft_has_devices(exp: ExperimentConfig) -> bool:
-    return exp.schedule.name != "ar" and exp.pair.draft.kind == "transformer"
+    return spec_of(exp).drafts and exp.pair.draft.kind == "transformer"
 
 
 def _link(exp: ExperimentConfig, u: str, v: str, same_machine: bool) -> LinkSpec:
@@ -223,25 +226,26 @@ def _check_real(exp: ExperimentConfig, kind: str, world: int, devices: int, host
                              "this machine (no CUDA device, or a torch built without CUDA); run on "
                              "the CPU with real.device=cpu")
     what = "GPUs" if exp.real.device.startswith("cuda") else "cores (on CPU a device is one core)"
-    need = {"async": f"placement.target_gpus={pl.target_gpus} + placement.draft_gpus={pl.draft_gpus}",
-            "pipeline": f"placement.nodes={pl.nodes} x placement.target_gpus={pl.target_gpus}",
-            "tree": f"max(placement.target_gpus={pl.target_gpus}, placement.draft_gpus={pl.draft_gpus})",
+    need = {TWO_GROUPS: f"placement.target_gpus={pl.target_gpus} + placement.draft_gpus={pl.draft_gpus}",
+            PIPELINE: f"placement.nodes={pl.nodes} x placement.target_gpus={pl.target_gpus}",
+            TREE: f"max(placement.target_gpus={pl.target_gpus}, placement.draft_gpus={pl.draft_gpus})",
             }.get(kind, f"placement.target_gpus={pl.target_gpus}")
     # a pipeline's stages compute one after another (a window visits them in turn), so its
     # one-process stages may share cores or one GPU: N emulated nodes run on one small machine
-    shared = kind == "pipeline" and pl.target_gpus == 1
+    shared = kind == PIPELINE and pl.target_gpus == 1
     if world > devices * hosts and not shared:
         have = f"this machine has {devices}" if hosts == 1 else f"{hosts} machines have {devices} each"
-        key = {"async": "placement.draft_gpus", "pipeline": "placement.nodes"}.get(
+        key = {TWO_GROUPS: "placement.draft_gpus", PIPELINE: "placement.nodes"}.get(
             kind, "placement.target_gpus")
         raise PlacementError(key, f"{need} needs {world} devices but {have} {what}: "
                              "lower it")
-    if kind != "async" and _draft_has_devices(exp) and pl.draft_gpus != pl.target_gpus:
+    if kind != TWO_GROUPS and _draft_has_devices(exp) and pl.draft_gpus != pl.target_gpus:
+        two = [n for n in schedule_names() if spec(n).layout == TWO_GROUPS]
         raise PlacementError("placement.draft_gpus",
                              f"placement.draft_gpus={pl.draft_gpus} must equal placement.target_gpus="
                              f"{pl.target_gpus} with schedule={exp.schedule.name} on backend=real: the "
                              "draft runs tensor parallel on the target's devices (set both, or use "
-                             "schedule=async for a draft group of its own)")
+                             f"{' or '.join(f'schedule={n}' for n in two)} for a draft group of its own)")
 
 
 def make_placement(exp: ExperimentConfig, *, devices: int | None = None, hosts: int = 1) -> Placement:
@@ -249,17 +253,17 @@ def make_placement(exp: ExperimentConfig, *, devices: int | None = None, hosts: 
     ``hosts``: machines of a real run (torchrun ``--nnodes``); checked on backend=real only."""
     pl, kind = exp.placement, layout(exp)
     devices = device_count(exp) if devices is None else devices
-    with_draft = exp.schedule.name != "ar"
+    with_draft = spec_of(exp).drafts
     both = ("target", "draft") if with_draft else ("target",)
     groups: list[Group] = []
     links: list[LinkSpec] = []
-    if kind == "async":
+    if kind == TWO_GROUPS:
         t, d = pl.target_gpus, pl.draft_gpus
         groups = [Group("target", "target", tuple(range(t)), ("target",), 0),
                   Group("draft", "draft", tuple(range(t, t + d)), ("draft",), 0)]
         links = [_link(exp, "draft", "target", True), _link(exp, "target", "draft", True)]
         draft_group: str | None = "draft"
-    elif kind == "pipeline":
+    elif kind == PIPELINE:
         k = pl.target_gpus
         spans = split_layers(exp.pair.target.layers, pl.nodes)
         groups = [Group(stage_name(i), "target", tuple(range(i * k, (i + 1) * k)),
@@ -269,7 +273,7 @@ def make_placement(exp: ExperimentConfig, *, devices: int | None = None, hosts: 
             links = [_link(exp, u, v, False) for u, v in zip(names, names[1:] + names[:1])]
         draft_group = names[0] if with_draft else None
     else:
-        n = pl.target_gpus if kind == "single" else max(pl.target_gpus, pl.draft_gpus)
+        n = pl.target_gpus if kind == SINGLE else max(pl.target_gpus, pl.draft_gpus)
         groups = [Group("target", "target", tuple(range(n)), both, 0)]
         draft_group = "target" if with_draft else None
     world = sum(len(g.ranks) for g in groups)
@@ -277,11 +281,11 @@ def make_placement(exp: ExperimentConfig, *, devices: int | None = None, hosts: 
         _check_real(exp, kind, world, devices, hosts)
     channels = [Channel(f"{TP}:{g.name}", TP, g.ranks) for g in groups if len(g.ranks) > 1]
     by_name = {g.name: g for g in groups}
-    if kind == "async":
+    if kind == TWO_GROUPS:
         channels.append(Channel(f"{BRIDGE}:draft<->target", BRIDGE,
                                 (by_name["target"].leader, by_name["draft"].leader),
                                 tuple(lk.name for lk in links)))
-    for lk in links if kind == "pipeline" else ():
+    for lk in links if kind == PIPELINE else ():
         channels.append(Channel(f"{STAGE}:{lk.src}->{lk.dst}", STAGE,
                                 (by_name[lk.src].leader, by_name[lk.dst].leader), (lk.name,)))
     ranks = tuple(RankInfo(r, g.name, g.role, g.models, g.layers, g.machine, i)

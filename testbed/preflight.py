@@ -59,6 +59,10 @@ def group_options(group: str) -> list[str]:
     from hydra.core.config_store import ConfigStore
 
     names = {p.stem for p in (CONF_DIR / group).glob("*.yaml")}
+    if group == "schedule":  # and the schedules of plug-ins (testbed.schedules)
+        from testbed.schedules import schedule_names
+
+        names |= set(schedule_names())
     node = ConfigStore.instance().repo.get(group)
     if isinstance(node, dict):
         names |= {k.removesuffix(".yaml") for k in node}

@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from testbed.schedules import BASELINE  # the `ar` baseline
 from testbed.stats import mean_ci, median_ci, ratio_ci
-
-BASELINE = "ar"
 
 
 def interleaved_order(configs: Sequence[str], repeats: int, baseline: str | None = BASELINE

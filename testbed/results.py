@@ -22,6 +22,7 @@ import yaml
 from testbed.config import ExperimentConfig, as_dict
 from testbed.metrics import experiment_key, summarize, tree_shape
 from testbed.recorder import RunResult
+from testbed.schedules import spec_of
 
 SUMMARY = "summary.json"
 # run fields too big for a summary row (results.parquet has one per run): their own files
@@ -59,7 +60,7 @@ def write_parquet(path: Path, df: pd.DataFrame) -> None:
 def build_summary(exp: ExperimentConfig, result: RunResult) -> dict[str, Any]:
     rounds, requests, _ = result.recorder.frames()
     base = result.baseline.frames()[1] if result.baseline is not None else None
-    if exp.schedule.name == "ar":
+    if not spec_of(exp).drafts:  # the baseline itself
         base = requests
     summary = experiment_key(exp)
     summary.update(summarize(rounds, requests, exp.schedule.gamma, base))

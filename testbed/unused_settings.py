@@ -27,34 +27,61 @@ from testbed.config import (
     SimConfig,
     as_dict,
 )
+from testbed.schedules import PIPELINE, names_where, spec, spec_of
 
 HASH_FILE = "experiment_hash"
 
 
 def uses_links(exp: ExperimentConfig) -> bool:
-    """Inter-node links exist: DSD's pipeline, or `ar` pipelined over nodes (both backends)."""
-    return exp.schedule.name == "decentralized" or (exp.schedule.name == "ar" and exp.placement.nodes > 1)
+    """Inter-node links exist: a schedule that reads ``network`` laid out as a pipeline — DSD's,
+    or `ar` pipelined over ``placement.nodes > 1`` (both backends)."""
+    spec = spec_of(exp)
+    return "network" in spec.reads and (spec.layout == PIPELINE or exp.placement.nodes > 1)
+
+
+def readers(key: str, schedule_only: bool = False) -> str:
+    """The schedules that read ``key`` as a user selects them: ``schedule=decentralized``, a tree
+    variant as ``schedule.tree=true`` (``schedule_only``: the plain names, each once)."""
+    specs = [spec(n) for n in names_where(lambda s: key in s.reads)]
+    if schedule_only:
+        return ", ".join(dict.fromkeys(s.schedule for s in specs))
+    return " or ".join(dict.fromkeys("schedule.tree=true" if s.tree_of else f"schedule={s.name}" for s in specs))
+
+
+def _pipelines(key: str, others_when: str) -> str:
+    """The readers of ``key`` laid out as pipelines, then the others that read it only when
+    pipelined: ``schedule=decentralized (or ar with placement.nodes>1)``."""
+    specs = [spec(n) for n in names_where(lambda s: key in s.reads)]
+    piped = " or ".join(f"schedule={s.name}" for s in specs if s.layout == PIPELINE)
+    others = " or ".join(s.name for s in specs if s.layout != PIPELINE)
+    return f"{piped} (or {others}{others_when})" if others else piped
 
 
 def unused_settings(exp: ExperimentConfig) -> dict[str, str]:
-    """Key prefix -> what would use it, for every setting without effect on this experiment."""
+    """Key prefix -> what would use it, for every setting without effect on this experiment.
+    Which schedule reads what is its declaration's ``reads`` (testbed.schedules)."""
     s, out = exp.schedule, {}
-    if s.name != "decentralized":
-        out["schedule.adaptive"] = "schedule=decentralized (DSD adaptive verification)"
-        out["schedule.lambda*"] = "schedule=decentralized schedule.adaptive=true (DSD key tokens)"
-    if not (s.name == "decentralized" and s.adaptive):
-        out["schedule.tau"] = "schedule.adaptive=true with schedule=decentralized (τ relaxes DSD's adaptive verification)"
-    if not (s.tree or s.name == "async"):
-        out["schedule.tree_*"] = "schedule.tree=true or schedule=async (token trees)"
-    if s.name == "ar":
-        out["schedule.gamma"] = "a speculative schedule (sync, async, decentralized): ar drafts nothing"
-        out["lookahead"] = "a speculative schedule (sync, decentralized)"
-    if s.name not in ("decentralized", "ar"):
-        out["placement.nodes"] = "schedule=decentralized (or ar): a pipeline over nodes"
-    if s.name != "decentralized":
-        out["schedule.draft_topk"] = "schedule=decentralized (draft distributions on the wire)"
+    spec = spec_of(exp)
+    if "schedule.adaptive" not in spec.reads:
+        out["schedule.adaptive"] = f"{readers('schedule.adaptive')} (DSD adaptive verification)"
+    if "schedule.lambda*" not in spec.reads:
+        out["schedule.lambda*"] = f"{readers('schedule.lambda*')} schedule.adaptive=true (DSD key tokens)"
+    if not ("schedule.tau" in spec.reads and s.adaptive):
+        out["schedule.tau"] = (f"schedule.adaptive=true with {readers('schedule.tau')} "
+                               "(τ relaxes DSD's adaptive verification)")
+    if not (s.tree or "schedule.tree_*" in spec.reads):
+        out["schedule.tree_*"] = f"{readers('schedule.tree_*')} (token trees)"
+    if "schedule.gamma" not in spec.reads:
+        out["schedule.gamma"] = (f"a speculative schedule ({readers('schedule.gamma', True)})"
+                                 + (f": {s.name} drafts nothing" if not spec.drafts else ""))
+    if not spec.drafts:  # a drafting schedule takes the policy setting (a tree keeps its own shape)
+        out["lookahead"] = f"a speculative schedule ({readers('lookahead', True)})"
+    if "placement.nodes" not in spec.reads:
+        out["placement.nodes"] = f"{_pipelines('placement.nodes', '')}: a pipeline over nodes"
+    if "schedule.draft_topk" not in spec.reads:
+        out["schedule.draft_topk"] = f"{readers('schedule.draft_topk')} (draft distributions on the wire)"
     if not uses_links(exp):
-        out["network"] = "links between nodes: schedule=decentralized (or ar with placement.nodes>1)"
+        out["network"] = f"links between nodes: {_pipelines('network', ' with placement.nodes>1')}"
     if exp.backend == "real" and not exp.real.device.startswith("cuda"):
         out["real.cuda_graphs"] = "real.device=cuda"
     if exp.backend == "real" and exp.real.device.startswith("cuda"):

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
-import real.async_run as async_run
 from real.async_run import async_rank
+from real.schedules import REGISTRY
 from real.worker import WorkerContext
 
 
 def async_rank_killed(ctx: WorkerContext, role: str, stamp: str) -> Any:
     """``async_rank``, but the ``role`` group's worker SIGKILLs itself when its second request
     starts (mid-run: models loaded, the bridge in use), after writing the time to ``stamp``."""
-    if ctx.role == role:
-        name = "draft_worker" if role == "draft" else "target_worker"
-        serve = getattr(async_run, name)
+    if ctx.role == role:  # the group's half of the registered schedule (real/schedules)
+        halves = REGISTRY.get("async")
+        serve = getattr(halves, role)
 
         def dying(side, req, *args, **kw):  # type: ignore[no-untyped-def]
             if req.request_id == 1:
@@ -26,5 +27,5 @@ def async_rank_killed(ctx: WorkerContext, role: str, stamp: str) -> Any:
                 os.kill(os.getpid(), signal.SIGKILL)
             return serve(side, req, *args, **kw)
 
-        setattr(async_run, name, dying)
+        REGISTRY.register("async", dataclasses.replace(halves, **{role: dying}))
     return async_rank(ctx)

@@ -23,7 +23,7 @@ def ping_pong(ctx: WorkerContext, rounds: int) -> dict:
     if pg is not None:
         dist.all_reduce(total, group=pg)
     got = []
-    if ctx.placement.layout != "async":
+    if ctx.placement.layout != "two_groups":
         pass
     elif ctx.is_leader and ctx.role == "draft":
         out, back = ctx.transport_to("target"), ctx.transport_from("target")

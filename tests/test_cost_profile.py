@@ -208,7 +208,7 @@ def test_forward_drift_scales_each_model_by_its_own_probe(tmp_path, monkeypatch)
     path.write_text(json.dumps(prof))
     now = {"smollm2_135m": 0.030, "smollm2_exit10": 0.004}
     real = backends.get("real")
-    monkeypatch.setitem(backends._REGISTRY, "real", dataclasses.replace(real, probe_forward=lambda exp: now))
+    monkeypatch.setitem(backends.BACKENDS.entries, "real", dataclasses.replace(real, probe_forward=lambda exp: now))
     base = ("hardware=local", "sim.cost_model=profile", f"sim.profile_path={path}")
     exit10 = (*base, "pair=smollm2_135m+smollm2_exit10")
     with pytest.raises(ConfigError, match="sim.profile_drift.*no forward probe of smollm2_135m.*calibrate"):

@@ -1,6 +1,6 @@
-"""Layout rules (docs/architecture.md): testbed imports no module of sim/ or real/, not even lazily (a
-backend is reached through testbed.backends); sim/ and real/ register the same way; the schedule
-table agrees with the files."""
+"""Layout rules (docs/architecture.md): testbed imports no module of sim/ or real/, not even lazily (a backend is
+reached through testbed.backends); sim/ and real/ register the same way; the schedule table
+(testbed.schedules) agrees with the files, and no code outside it compares schedule names."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from testbed.schedules import (
     implementation,
     implementations,
     runs_on,
+    schedule_names,
     unsupported,
 )
 
@@ -51,7 +52,7 @@ def test_testbed_imports_no_backend_module() -> None:
 
 
 def test_every_schedule_runs_on_the_simulator_and_sync_tree_is_sync_with_a_tree() -> None:
-    assert set(SCHEDULES) == {p.stem for p in (ROOT / "conf" / "schedule").glob("*.yaml")}
+    assert set(schedule_names()) == {p.stem for p in (ROOT / "conf" / "schedule").glob("*.yaml")}
     assert implementation("sync", True) == "sync_tree" and implementation("sync", False) == "sync"
     assert set(implementations("sim")) == set(all_implementations())
     assert {"ar", "sync"} <= set(implementations("real"))
@@ -66,12 +67,60 @@ def test_backends_register_their_hooks_and_schedules(backend: str) -> None:
     b = backends.get(backend)
     assert b.name == backend and callable(b.run)
     registry = __import__(f"{backend}.schedules", fromlist=["REGISTRY"]).REGISTRY
-    for impl in implementations(backend):
-        assert callable(registry.get(impl))
+    for impl in implementations(backend):  # an entry of the shape its layout's runner calls
+        entry = registry.get(impl)
+        if backend == "real" and SCHEDULES.get(impl).layout == "two_groups":
+            from real.schedules import TwoGroups
+
+            assert isinstance(entry, TwoGroups) and all(map(callable, vars(entry).values()))
+        else:
+            assert callable(entry)
     with pytest.raises(KeyError):
         registry.get("no_such_schedule")
     assert backends.hook("tokenizer") is backends.get("real").tokenizer
     assert backends.get("sim").replay_seconds is not None and backends.get("real").calibrate is not None
+
+
+def test_every_declared_module_is_a_file_and_every_schedule_file_is_declared() -> None:
+    declared = set()
+    for spec in SCHEDULES.loaded():
+        for backend, module in spec.modules.items():
+            path = ROOT / (module.replace(".", "/") + ".py")
+            assert path.is_file(), f"{spec.name}: {module} (backend={backend}) has no file {path}"
+            declared.add(path)
+    files = {p for b in BACKEND_PACKAGES for p in (ROOT / b / "schedules").glob("*.py") if p.stem != "__init__"}
+    assert files == declared
+
+
+SCHEDULE_NAMES = {"ar", "sync", "sync_tree", "async", "decentralized"}
+
+
+def name_comparisons(source: str) -> list[int]:
+    """Lines comparing something with a built-in schedule's name (``x == "sync"``,
+    ``x in ("ar", "async")``, ``x.isin(["sync"])``)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            consts = [n for n in ast.walk(node) if isinstance(n, ast.Constant)]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "isin":
+            consts = [n for a in node.args for n in ast.walk(a) if isinstance(n, ast.Constant)]
+        else:
+            continue
+        if any(c.value in SCHEDULE_NAMES for c in consts):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_code_compares_schedule_names_outside_the_declarations() -> None:
+    """What a schedule is (its layout, its baseline, the settings it reads, what it replays, how
+    the report shows it) is declared once in testbed/schedules.py and read from there."""
+    assert name_comparisons('if s.name == "async" or x in ("ar",) or df["s"].isin(["sync"]): pass') == [1, 1, 1]
+    assert name_comparisons('e.schedule.name = "sync"\n@register("sync")\ndef f(): pass') == []
+    offenders = [f"{path.relative_to(ROOT)}:{line}"
+                 for pkg in ("testbed", *BACKEND_PACKAGES) for path in sorted((ROOT / pkg).rglob("*.py"))
+                 if path != ROOT / "testbed" / "schedules.py"
+                 for line in name_comparisons(path.read_text())]
+    assert offenders == [], "compare a ScheduleSpec field instead:\n" + "\n".join(offenders)
 
 
 def test_kernels_know_no_experiment() -> None:

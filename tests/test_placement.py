@@ -32,6 +32,7 @@ def test_tree_layout_uses_every_device_of_the_placement() -> None:
 def test_async_layout_has_disjoint_groups_and_a_bridge_between_leaders() -> None:
     pl = make_placement(compose_exp("schedule=async", "placement.target_gpus=5", "placement.draft_gpus=3"))
     t, d = pl.group("target"), pl.group("draft")
+    assert pl.layout == "two_groups"  # as async declares it (testbed.schedules)
     assert t.ranks == (0, 1, 2, 3, 4) and d.ranks == (5, 6, 7) and pl.world_size == 8
     bridge = pl.channel("bridge:draft<->target")
     assert bridge.ranks == (t.leader, d.leader) == (0, 5)

@@ -50,11 +50,10 @@ from typing import Any
 
 import torch
 
-from real.context import RealContext, RealRequest, finish
-from real.errors import RealSetupError
+from real.context import RealRequest, finish
 from real.links import Kind, Message, Transport
 from real.runners import prefill
-from real.schedules import register
+from real.schedules import TwoGroups, register
 from real.tree_tokens import DraftTreeTokens, ForwardModel, TargetTreeTokens
 from testbed.recorder import RequestRecord, RunRecorder
 from testbed.spec.sampling import SamplingParams
@@ -379,10 +378,6 @@ def draft_worker(side: Side, req: RealRequest, depth: AsyncDepth | int, *, width
             times.append(dt)
 
 
-@register("async")
-def serve_async(ctx: RealContext, req: RealRequest) -> None:
-    """The registry's entry: `async` never serves a request in one process; ``real.engine.run``
-    starts the two groups' workers (real/async_run.py) for the async layout."""
-    del ctx, req
-    raise RealSetupError("schedule=async runs on two device groups (real/async_run.py): start it "
-                         "with real.engine.run, not as a one-process schedule")
+# the registry's entry: the two groups' halves, run by the two_groups layout's runner (real/async_run.py)
+register("async", TwoGroups(target=target_worker, draft=draft_worker, probe_target=probe_target,
+                            probe_draft=probe_draft, before_request=probe_before_request))

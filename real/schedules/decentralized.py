@@ -35,9 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from real.context import RealContext, RealRequest, finish
+from real.context import RealRequest, finish
 from real.drafts import Draft, one_hot
-from real.errors import RealSetupError
 from real.links import Message
 from real.pipeline import (
     SCHEDULE_PHASE,
@@ -51,6 +50,7 @@ from real.pipeline import (
 )
 from real.schedules import register
 from testbed.recorder import RequestRecord, RunRecorder
+from testbed.schedules import spec_of
 from testbed.spec.dsd import dsd_verify
 from testbed.spec.lookahead import make_lookahead
 from testbed.spec.sampling import SamplingParams, standardize
@@ -106,7 +106,7 @@ class WindowVerifier:
 def make_verifier(exp, vocab: int, request_id: int, *, baseline: bool) -> WindowVerifier:  # type: ignore[no-untyped-def]
     s, sp = exp.schedule, exp.sampling
     params = SamplingParams(sp.temperature, sp.top_k, sp.top_p)
-    adaptive = s.name == "decentralized" and s.adaptive and not baseline
+    adaptive = "schedule.adaptive" in spec_of(exp).reads and s.adaptive and not baseline
     return WindowVerifier(params, vocab, stream(exp.seed, request_id, TARGET_SALT), adaptive=adaptive,
                           tau=s.tau if adaptive else 0.0, lambdas=(s.lambda1, s.lambda2, s.lambda3))
 
@@ -174,10 +174,6 @@ def alpha_from_tokens(tokens_per_round: float, gamma: int) -> float:
     return (lo + hi) / 2
 
 
-@register("decentralized")
-def serve_decentralized(ctx: RealContext, req: RealRequest) -> None:
-    """The registry's entry: `decentralized` never serves a request in one process's schedule
-    loop; ``real.engine.run`` starts the stage processes (real/pipeline_run.py)."""
-    del ctx, req
-    raise RealSetupError("schedule=decentralized runs as a pipeline of stage processes "
-                         "(real/pipeline_run.py): start it with real.engine.run")
+# the registry's entry: the first stage's side of one request, run by the pipeline layout's
+# runner (real/pipeline_run.py)
+register("decentralized", dsd_first_stage)

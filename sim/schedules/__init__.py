@@ -1,5 +1,6 @@
 """Schedules as SimPy processes, keyed by implementation name (testbed.schedules: `schedule=`,
-and `sync_tree` for `schedule.tree=true`); one file per implementation, imported on first use.
+and `sync_tree` for `schedule.tree=true`); the module of each is named by its declaration
+(``ScheduleSpec.modules["sim"]``: a file here for the built-in ones) and imported on first use.
 
 A schedule is a generator function ``(ctx: SimContext, req: SimRequest)`` that serves one
 request from prefill to its last token, yielding SimPy events (one timeout per forward or per
@@ -12,10 +13,10 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from sim.context import SimContext, SimRequest
-from testbed.schedules import ScheduleRegistry
+from testbed.registry import Registry
+from testbed.schedules import implementation_registry
 
 Schedule = Callable[[SimContext, SimRequest], Generator[Any, Any, None]]
-REGISTRY: ScheduleRegistry[Schedule] = ScheduleRegistry("sim")
-SCHEDULES = REGISTRY.schedules
+REGISTRY: Registry[Schedule] = implementation_registry("sim")
 register = REGISTRY.register
 get_schedule = REGISTRY.get

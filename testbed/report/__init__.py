@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from testbed.registry import Registry
 from testbed.report.style import human_columns, sig3
 from testbed.results import Run, RunDirError, find_runs, summaries_frame
 
@@ -38,15 +39,19 @@ class ReportContext:
 
 
 Section = Callable[[ReportContext], str]
+# (order, title, function) by the function's module and name (testbed.registry); SECTIONS: in order
+SECTION_REGISTRY: Registry[tuple[int, str, Section]] = Registry("report section")
 SECTIONS: list[tuple[int, str, Section]] = []
 
 
 def section(order: int, title: str) -> Callable[[Section], Section]:
-    """Register a report section; lower `order` comes first."""
+    """Register a report section; lower `order` comes first (then the order of registration).
+    A module imported again keeps its sections' first registration."""
     def deco(fn: Section) -> Section:
-        if all(f.__qualname__ != fn.__qualname__ or f.__module__ != fn.__module__ for _, _, f in SECTIONS):
-            SECTIONS.append((order, title, fn))
-            SECTIONS.sort(key=lambda s: s[0])
+        key = f"{fn.__module__}.{fn.__qualname__}"
+        if key not in SECTION_REGISTRY:
+            SECTION_REGISTRY.register(key, (order, title, fn))
+            SECTIONS[:] = sorted(SECTION_REGISTRY.loaded(), key=lambda s: s[0])
         return fn
     return deco
 

@@ -6,6 +6,7 @@ import pandas as pd
 
 from testbed.metrics import HEADLINE, KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
+from testbed.report.schedule_kinds import chains, drafting, without_draft
 from testbed.report.style import (
     SCHEDULE_COLORS,
     colors_for,
@@ -71,7 +72,7 @@ def throughput(ctx: ReportContext) -> str:
     df = ctx.df.copy()
     keys = varying_keys(df)
     if gamma_sweep(df):
-        df = df[df["schedule"] != "ar"].copy()  # `ar` drafts nothing: γ = 0 is no point of it
+        df = df[drafting(df)].copy()  # `ar` drafts nothing: γ = 0 is no point of it
         hue = next((k for k in varying_keys(df) if k != "gamma"), None)
         sns = seaborn()
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -125,7 +126,7 @@ def throughput(ctx: ReportContext) -> str:
 def gamma_sweep(df: pd.DataFrame) -> bool:
     """Whether throughput against γ means something here: one schedule (`ar` aside, which drafts
     nothing) run at more than one γ, more than two runs in all."""
-    drafted = df[df["schedule"] != "ar"]
+    drafted = df[drafting(df)]
     return (len(drafted) > 2 and drafted["schedule"].nunique() == 1
             and drafted["gamma"].nunique() > 1)
 
@@ -134,7 +135,7 @@ def _theorem_curves(df: pd.DataFrame) -> pd.DataFrame | None:
     """Theorem 3.8 for every analytic+iid sync run (same α, γ, c), for dashed overlays."""
     if not {"cost_model", "oracle", "alpha_config", "sim_c"} <= set(df.columns):
         return None
-    m = df[(df["cost_model"] == "analytic") & (df["oracle"] == "iid") & (df["schedule"] == "sync")].copy()
+    m = df[(df["cost_model"] == "analytic") & (df["oracle"] == "iid") & df["schedule"].isin(chains())].copy()
     if m.empty:
         return None
     m["speedup"] = [leviathan_speedup(a, int(g), c) for a, g, c in zip(m["alpha_config"], m["gamma"], m["sim_c"])]
@@ -146,7 +147,7 @@ def theory_check(ctx: ReportContext) -> str:
     df = ctx.df
     if not {"cost_model", "oracle", "alpha_config", "sim_c"} <= set(df.columns):
         return ""
-    m = df[(df["cost_model"] == "analytic") & (df["oracle"] == "iid") & (df["schedule"] == "sync")]
+    m = df[(df["cost_model"] == "analytic") & (df["oracle"] == "iid") & df["schedule"].isin(chains())]
     if m.empty:
         return ""
     rows = []
@@ -171,7 +172,7 @@ def acceptance_hist(ctx: ReportContext) -> str:
     keys = varying_keys(ctx.df)
     dists: dict[str, pd.Series] = {}
     for run, (_, row) in zip(ctx.runs, ctx.df.iterrows()):
-        if row["schedule"] == "ar":
+        if row["schedule"] in without_draft():
             continue
         r = run.frame("rounds")
         if r.empty:

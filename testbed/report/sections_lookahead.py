@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from testbed.report import ReportContext, markdown_table, section
+from testbed.report.schedule_kinds import chains
 from testbed.results import run_split
 from testbed.workloads import TRACE_SPLITS
 
@@ -24,7 +25,7 @@ def lookahead_frame(df: pd.DataFrame) -> pd.DataFrame:
     need = {"lookahead", "tpot_ms", "verifications", "generated_tokens", "backend", *GROUP}
     if not need <= set(df.columns):
         return pd.DataFrame()
-    d = df[df["schedule"].isin(["sync"])].copy()
+    d = df[df["schedule"].isin(chains())].copy()  # per-token policies run in the chain
     if "run_dir" in d.columns:
         split = [run_split(Path(r["run_dir"]), r.to_dict()) for _, r in d.iterrows()]
         d = d[~((d["backend"] == "real") & pd.Series(split, index=d.index).isin(TRACE_SPLITS))]

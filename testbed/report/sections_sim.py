@@ -27,11 +27,25 @@ from testbed.report.style import (
     seaborn,
 )
 from testbed.results import Run
+from testbed.schedules import TWO_GROUPS, find, names_where
 
-TIMELINE_SCHEDULES = ("async", "sync_tree", "decentralized")
 MAX_GANTT_RUNS = 6
 GANTT_ROUNDS = 8
-BASELINES = ("sync", "sync_tree")
+
+
+def timeline_schedules() -> tuple[str, ...]:
+    """The schedules whose point is overlap or communication (declared ``timeline``)."""
+    return names_where(lambda s: s.timeline)
+
+
+def split_schedules() -> tuple[str, ...]:
+    """The schedules a split varies: two device groups (async)."""
+    return names_where(lambda s: s.layout == TWO_GROUPS)
+
+
+def serial_baselines() -> tuple[str, ...]:
+    """The GPU split's serial baselines: draft and target taking turns on all GPUs."""
+    return names_where(lambda s: s.serial)
 
 
 def _col(df: pd.DataFrame, name: str) -> pd.Series:
@@ -43,17 +57,19 @@ def _col(df: pd.DataFrame, name: str) -> pd.Series:
 
 
 def split_label(row: pd.Series) -> str:
-    return f"t{int(row['target_gpus'])}" if row["schedule"] == "async" else str(row["schedule"])
+    spec = find(row["schedule"])
+    return spec.run_label(target_gpus=row["target_gpus"]) if spec is not None else str(row["schedule"])
 
 
 def gpu_split_frame(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (pair, hardware, split): mean tokens/s over seeds; empty if no split sweep."""
     if "schedule" not in df.columns:
         return pd.DataFrame()
-    m = df[df["schedule"].isin(("async", *BASELINES)) & (df["backend"] == "sim")].copy()
-    if m.empty or (m["schedule"] == "async").sum() == 0:
+    split = split_schedules()
+    m = df[df["schedule"].isin((*split, *serial_baselines())) & (df["backend"] == "sim")].copy()
+    if m.empty or m["schedule"].isin(split).sum() == 0:
         return pd.DataFrame()
-    asyn = m[m["schedule"] == "async"]
+    asyn = m[m["schedule"].isin(split)]
     if asyn.groupby(["pair", "hardware"])["target_gpus"].nunique().max() < 2:
         return pd.DataFrame()
     m["split"] = [split_label(r) for _, r in m.iterrows()]
@@ -69,7 +85,7 @@ def gpu_split_frame(df: pd.DataFrame) -> pd.DataFrame:
 
 def _split_order(splits: list[str]) -> list[str]:
     ts = sorted((s for s in splits if s.startswith("t") and s[1:].isdigit()), key=lambda s: int(s[1:]))
-    return ts + [b for b in BASELINES if b in splits]
+    return ts + [b for b in serial_baselines() if b in splits]
 
 
 @section(22, "GPU split: async (SwiftSpec) vs serial baselines")
@@ -86,17 +102,18 @@ def gpu_split(ctx: ReportContext) -> str:
         ax.set_axis_off()
     best_rows = []
     for ax, ((pair, hw), g) in zip(axes.flat, groups):
-        a = g[g["schedule"] == "async"].sort_values("target_gpus")
-        ax.plot(a["target_gpus"], a["tokens_per_s"], marker="o", color=SCHEDULE_COLORS["async"], label="async")
-        styles = {"sync": (SCHEDULE_COLORS["sync"], ":"), "sync_tree": (SCHEDULE_COLORS["sync_tree"], "--")}
-        for b in BASELINES:
+        split = split_schedules()
+        a = g[g["schedule"].isin(split)].sort_values("target_gpus")
+        name = str(a["schedule"].iloc[0]) if len(a) else split[0]
+        ax.plot(a["target_gpus"], a["tokens_per_s"], marker="o", color=SCHEDULE_COLORS[name], label=name)
+        for b in serial_baselines():
             row = g[g["split"] == b]
             if len(row):
-                color, ls = styles[b]
+                color, ls = SCHEDULE_COLORS[b], "--" if find(b).tree else ":"  # type: ignore[union-attr]
                 ax.axhline(float(row["tokens_per_s"].iloc[0]), color=color, linestyle=ls,
                            label=f"{b} ({int(row['target_gpus'].iloc[0])} {device_word(hw)}, serial)")
         best = g.loc[g["tokens_per_s"].idxmax()]
-        x = best["target_gpus"] if best["schedule"] == "async" else a["target_gpus"].max() + 0.5
+        x = best["target_gpus"] if best["schedule"] in split else a["target_gpus"].max() + 0.5
         ax.plot([x], [best["tokens_per_s"]], marker="*", markersize=16, color="tab:red",
                 linestyle="none", label=f"best: {best['split']}")
         ax.set_xlabel(f"target {device_word(hw)} (the rest draft)")
@@ -105,13 +122,13 @@ def gpu_split(ctx: ReportContext) -> str:
         ax.set_title(f"{pair}\n{hw}", fontsize=9)
         ax.set_xticks(sorted(a["target_gpus"].unique()))
         ax.legend(fontsize=7, loc="lower right")
-        ref = {b: g.loc[g["split"] == b, "tokens_per_s"] for b in BASELINES}
+        ref = {b: g.loc[g["split"] == b, "tokens_per_s"] for b in serial_baselines()}
         best_rows.append({
             "pair": pair, "hardware": hw, "best split": best["split"],
             f"target/draft {device_word(hw)}": f"{int(best['target_gpus'])}/{int(best['draft_gpus'])}",
             "tokens_per_s": best["tokens_per_s"], "d": best["d"],
             **{f"x vs {b}": (best["tokens_per_s"] / float(ref[b].iloc[0]) if len(ref[b]) else None)
-               for b in BASELINES}})
+               for b in serial_baselines()}})
     fig.tight_layout()
     savefig(fig, ctx.figure_path("gpu_split.png"))
     wide = agg.pivot_table(index=["pair", "hardware"], columns="split", values="tokens_per_s")
@@ -133,7 +150,7 @@ def decentralized(ctx: ReportContext) -> str:
     df = ctx.df
     if "schedule" not in df.columns:
         return ""
-    d = df[df["schedule"] == "decentralized"].copy()
+    d = df[df["schedule"].isin(names_where(lambda s: s.pipelined))].copy()
     if d.empty:
         return ""
     for c in ("latency_ms", "tau", "comm_reduction_eq5", "key_token_fraction", "t0_ms", "t1_ms",
@@ -216,7 +233,7 @@ def draws_timeline(df: pd.DataFrame) -> bool:
     """True when this module draws the runs' Gantt charts (the plain `timeline` section skips)."""
     if "schedule" not in df.columns:
         return False
-    mine = df["schedule"].isin(TIMELINE_SCHEDULES)
+    mine = df["schedule"].isin(timeline_schedules())
     if "nodes" in df.columns:
         mine |= df["nodes"].fillna(1) > 1
     return bool(mine.any())
@@ -236,7 +253,8 @@ def _resource_order(resources: list[str]) -> list[str]:
 
 def _pick_runs(ctx: ReportContext) -> list[tuple[Run, pd.Series]]:
     rows = [(run, row) for run, (_, row) in zip(ctx.runs, ctx.df.iterrows())]
-    mine = [(run, row) for run, row in rows if row["schedule"] in TIMELINE_SCHEDULES
+    shown = timeline_schedules()
+    mine = [(run, row) for run, row in rows if row["schedule"] in shown
             or (row.get("nodes") or 1) > 1]
     if len(mine) <= 2:
         return mine

@@ -15,30 +15,39 @@ import pandas as pd
 
 from testbed.report import ReportContext, markdown_table, section
 from testbed.report.sections_validate import validation_frame
-from testbed.report.style import SCHEDULE_COLORS, grid, legend_outside, savefig
+from testbed.report.style import MEASURED_COLOR, PREDICTED_COLOR, grid, legend_outside, savefig
+from testbed.schedules import BASELINE, TWO_GROUPS, find, names_where
 
-SPLIT_SCHEDULES = ("async", "sync", "sync_tree", "ar")
 GROUP = ["pair", "hardware", "workload", "temperature"]
 
 
+def split_schedules() -> tuple[str, ...]:
+    """The schedules of a split grid: the two-group ones (one point per split), then the serial
+    ones and the `ar` baseline (on all devices)."""
+    return (*names_where(lambda s: s.layout == TWO_GROUPS), *names_where(lambda s: s.serial), BASELINE)
+
+
 def split_name(schedule: str, target_gpus: int) -> str:
-    return f"t{int(target_gpus)}" if schedule == "async" else schedule
+    """``tN`` for a two-group schedule with N target devices (its declared label), else its name."""
+    spec = find(schedule)
+    return spec.run_label(target_gpus=target_gpus) if spec is not None else schedule
 
 
 def split_order(split: str) -> tuple[int, int]:
     """tN by N, then the serial baselines and ar."""
     if split.startswith("t") and split[1:].isdigit():
         return 0, int(split[1:])
-    return 1, SPLIT_SCHEDULES.index(split) if split in SPLIT_SCHEDULES else 99
+    order = split_schedules()
+    return 1, order.index(split) if split in order else 99
 
 
 def split_pairs(val: pd.DataFrame) -> pd.DataFrame:
     """One row per (group, split): predicted and measured tokens/s and tokens per verification,
     errors, and the best split of each backend marked; empty unless every paired split schedule
-    is among SPLIT_SCHEDULES and more than one split was paired."""
+    is among ``split_schedules()`` and more than one split was paired."""
     if val.empty:
         return pd.DataFrame()
-    v = val[val["schedule"].isin(SPLIT_SCHEDULES)
+    v = val[val["schedule"].isin(split_schedules())
             & val["metric"].isin(("tokens_per_s", "mean_accepted_len"))].copy()
     if v.empty:
         return pd.DataFrame()
@@ -84,9 +93,9 @@ def _plot(pairs: pd.DataFrame, path: str) -> None:
         g = g.reset_index(drop=True)
         x = range(len(g))
         ax.bar([i - 0.2 for i in x], g["predicted_tokens_per_s"], width=0.4, label="predicted (sim)",
-               color=SCHEDULE_COLORS.get("sync_tree", "tab:blue"), alpha=0.6)
+               color=PREDICTED_COLOR, alpha=0.6)
         ax.bar([i + 0.2 for i in x], g["measured_tokens_per_s"], width=0.4, label="measured (real)",
-               color=SCHEDULE_COLORS.get("async", "tab:orange"))
+               color=MEASURED_COLOR)
         for who, dx in (("predicted", -0.2), ("measured", 0.2)):
             best = g.index[g[f"best_{who}"]][0]
             ax.plot([best + dx], [g.loc[best, f"{who}_tokens_per_s"] * 1.04], marker="*", markersize=13,

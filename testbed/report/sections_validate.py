@@ -18,6 +18,7 @@ import pandas as pd
 from testbed import backends
 from testbed.metrics import KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
+from testbed.report.schedule_kinds import chains, pipelined, serial, without_draft
 from testbed.report.style import seaborn
 from testbed.report.validate_intervals import add_interval_columns, inside_share
 from testbed.report.validate_own_acceptance import (
@@ -43,7 +44,7 @@ def run_split(run: Run) -> str:
 
 
 def dsd_point(summary: dict) -> str:
-    if summary.get("schedule") != "decentralized":
+    if summary.get("schedule") not in pipelined():
         return "-"
     return f"{float(summary.get('latency_ms') or 0):g} ms, τ={float(summary.get('tau') or 0):g}"
 
@@ -98,7 +99,7 @@ def replay_measured(run: Run) -> dict | None:
     from testbed.config import ConfigError, to_experiment
 
     exp_file = run.path / "experiment.yaml"
-    if not exp_file.exists() or run.summary.get("schedule") != "sync":
+    if not exp_file.exists() or run.summary.get("schedule") not in chains():
         return None
     try:
         replay_seconds = backends.get("sim").replay_seconds
@@ -146,7 +147,7 @@ def rescaled_prediction(run: Run) -> float | None:
         exp.sim.profile_rescale, exp.sim.profile_drift = True, "none"
         return True
 
-    if run.summary.get("schedule") != "sync":
+    if run.summary.get("schedule") not in chains():
         return None
     summary = resimulated(run, edit)
     return summary.get("tokens_per_s") if summary else None
@@ -217,7 +218,8 @@ def measured_with_source(runs: list[Run], val: pd.DataFrame, schedules: tuple[st
         return tuple(float(s.get(k)) if k == "temperature" else s.get(k) for k in JOIN if k != "split")
 
     real = [r for r in runs if r.summary.get("backend") == "real"
-            and (r.summary.get("schedule") in schedules if schedules else r.summary.get("schedule") != "ar")]
+            and (r.summary.get("schedule") in schedules if schedules
+                 else r.summary.get("schedule") not in without_draft())]
     sources = {(key(r), run_split(r)): r for r in real if run_split(r) in TRACE_SPLITS}
     measured = {tuple(r[k] for k in JOIN) for _, r in val.iterrows()} if len(val) else set()
     out = []
@@ -233,7 +235,7 @@ def sibling_replay_frame(runs: list[Run], val: pd.DataFrame) -> pd.DataFrame:
     """Every measured real run against its trace-source real run replayed on its rounds: the
     run-to-run timing noise of the machine, a floor for any latency model's tokens/s error."""
     rows = []
-    for run, src, key in measured_with_source(runs, val, ("sync", "sync_tree")):
+    for run, src, key in measured_with_source(runs, val, serial()):
         if not run.summary.get("tokens_per_s"):
             continue
         pred = sibling_replay(run, src)
@@ -249,7 +251,7 @@ def family(summary: dict) -> str:
     `async`, `decentralized`, `ar` — with its lookahead policy when that is not static."""
     name = str(summary.get("schedule"))
     policy = summary.get("lookahead")
-    return f"{name}+{policy}" if policy and policy != "static" and name not in ("ar",) else name
+    return f"{name}+{policy}" if policy and policy != "static" and name not in without_draft() else name
 
 
 def error_stats(val: pd.DataFrame, by: tuple[str, ...] = ("metric",)) -> pd.DataFrame:
@@ -372,7 +374,7 @@ def missing_files_note(missing: list[str], val: pd.DataFrame) -> str:
     """Why this report has no ``missing`` files (the timing-only and rescaled predictions):
     both replay a chain (`sync`) run's rounds, which a tree, async or DSD grid does not have."""
     names = " and ".join(f"`{m}`" for m in missing)
-    if not (val["schedule"] == "sync").any():
+    if not val["schedule"].isin(chains()).any():
         return (f"No {names}: {'they exist' if len(missing) > 1 else 'it exists'} for chain "
                 "(`sync`) runs only — their rounds are replayed with the profile — and these "
                 f"runs have none (schedules: {', '.join(sorted(set(val['schedule'])))}).")

@@ -26,6 +26,7 @@ import pandas as pd
 
 from testbed.metrics import divergence
 from testbed.report import ReportContext, markdown_table, section
+from testbed.report.schedule_kinds import pipelined
 from testbed.report.style import savefig
 from testbed.theory import dsd_speedup
 
@@ -41,7 +42,7 @@ def _outputs(run_dir: str) -> list[list[int]] | None:
 
 
 def _frame(df: pd.DataFrame) -> pd.DataFrame:
-    d = df[(df.get("schedule") == "decentralized")].copy() if "schedule" in df.columns else pd.DataFrame()
+    d = df[df["schedule"].isin(pipelined())].copy() if "schedule" in df.columns else pd.DataFrame()
     if d.empty or "latency_ms" not in d.columns:
         return pd.DataFrame()
     for c in ("latency_ms", "tau", "nodes", "temperature"):

@@ -9,13 +9,37 @@ stretched into a strip.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 # Okabe–Ito (colour-blind safe), then greys for the rest
 _PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442",
             "#000000", "#999999", "#666666"]
-SCHEDULE_COLORS = {"ar": "#999999", "sync": "#0072B2", "sync_tree": "#000000",
-                   "async": "#E69F00", "decentralized": "#009E73", "ar baseline": "#999999"}
+
+
+class _ScheduleColors(Mapping[str, str]):
+    """Each schedule's colour as its declaration gives it (``ScheduleSpec.color``, plug-ins
+    included), and ``ar baseline`` in the baseline's."""
+
+    def _table(self) -> dict[str, str]:
+        from testbed.schedules import BASELINE, spec, specs
+
+        colors = {s.name: s.color for s in specs()}
+        return {**colors, f"{BASELINE} baseline": spec(BASELINE).color}
+
+    def __getitem__(self, name: str) -> str:
+        return self._table()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+SCHEDULE_COLORS: Mapping[str, str] = _ScheduleColors()
+# the GPU split's bars: predicted (sim) and measured (real)
+PREDICTED_COLOR, MEASURED_COLOR = "#000000", "#E69F00"
 SPAN_COLORS = {"draft": "#E69F00", "target": "#0072B2", "verify": "#0072B2", "prefill": "#CCCCCC",
                "link": "#009E73", "send": "#009E73", "recv": "#56B4E9", "allreduce": "#CC79A7",
                "stage": "#0072B2", "bubble": "#F0E442", "idle": "#EEEEEE",

@@ -32,12 +32,15 @@ from __future__ import annotations
 import enum
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from testbed.registry import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -48,8 +51,6 @@ ENTROPY, CHOSEN = TOP_K, TOP_K + 1  # indices in a feature vector
 BLOCK = 64  # draft_token_features: the top-k is searched among the largest blocks of this size
 NATIVE_MIN_VOCAB = 4096  # draft_token_features: the native kernel from this vocabulary size on
 ONE_HOT_FEATURES = (1.0,) + (0.0,) * (TOP_K - 1) + (0.0, 1.0)  # a deterministic draft (n-gram)
-PER_TOKEN = ("confidence", "disco", "oracle")  # policies that decide after every token
-POLICIES = ("static", "heuristic", *PER_TOKEN)
 CONFIDENCE_THRESHOLD = 0.4  # HF assisted generation's default assistant_confidence_threshold
 DISCO_FORMAT = "specbed-disco-1"
 TRAIN_HOWTO = "train one with `python -m real.train_disco` (or use the shipped models/disco/*.json)"
@@ -279,22 +280,40 @@ class OracleLookahead(LookaheadPolicy):
         return Decision.CONTINUE if accepted else Decision.DROP
 
 
+@dataclass(frozen=True)
+class PolicyKind:
+    """A lookahead policy's entry in ``LOOKAHEADS``: its factory ``make(gamma_max, threshold,
+    classifier)`` and whether it decides after every token (runs in the sync chain only)."""
+
+    make: Callable[[int, float | None, DiscoClassifier | None], LookaheadPolicy]
+    per_token: bool = False
+
+
+def _disco(gamma_max: int, threshold: float | None, classifier: DiscoClassifier | None) -> LookaheadPolicy:
+    if classifier is None:
+        raise ValueError("lookahead=disco needs its classifier (lookahead.path)")
+    return DiscoLookahead(gamma_max, classifier=classifier,
+                          threshold=classifier.threshold if threshold is None else threshold)
+
+
+LOOKAHEADS: Registry[PolicyKind] = Registry("lookahead")
+LOOKAHEADS.register("static", PolicyKind(lambda g, t, c: LookaheadPolicy(g)))
+LOOKAHEADS.register("heuristic", PolicyKind(lambda g, t, c: HeuristicLookahead(g)))
+LOOKAHEADS.register("confidence", PolicyKind(lambda g, t, c: ConfidenceLookahead(
+    g, threshold=CONFIDENCE_THRESHOLD if t is None else t), per_token=True))
+LOOKAHEADS.register("disco", PolicyKind(_disco, per_token=True))
+LOOKAHEADS.register("oracle", PolicyKind(lambda g, t, c: OracleLookahead(g), per_token=True))
+POLICIES = LOOKAHEADS.names()
+PER_TOKEN = tuple(n for n, k in LOOKAHEADS.items() if k.per_token)  # policies that decide after every token
+
+
 def make_lookahead(policy: str, gamma_max: int, *, threshold: float | None = None,
                    classifier: DiscoClassifier | None = None) -> LookaheadPolicy:
-    if policy == "static":
-        return LookaheadPolicy(gamma_max)
-    if policy == "heuristic":
-        return HeuristicLookahead(gamma_max)
-    if policy == "confidence":
-        return ConfidenceLookahead(gamma_max, threshold=CONFIDENCE_THRESHOLD if threshold is None else threshold)
-    if policy == "disco":
-        if classifier is None:
-            raise ValueError("lookahead=disco needs its classifier (lookahead.path)")
-        return DiscoLookahead(gamma_max, classifier=classifier,
-                              threshold=classifier.threshold if threshold is None else threshold)
-    if policy == "oracle":
-        return OracleLookahead(gamma_max)
-    raise ValueError(f"lookahead={policy!r}: allowed {', '.join(POLICIES)}")
+    try:
+        kind = LOOKAHEADS.get(policy)
+    except KeyError:
+        raise ValueError(f"lookahead={policy!r}: allowed {', '.join(POLICIES)}") from None
+    return kind.make(gamma_max, threshold, classifier)
 
 
 def lookahead_for(exp: object) -> LookaheadPolicy:
