@@ -56,7 +56,7 @@ PARALLEL_FROM_S = 6.0  # sequential seconds above which the resamples use every 
 def _simulate(exp: ExperimentConfig, requests: list[Any], resampled: list[list[RequestTrace]],
               cost: Any, baseline_requests: Any) -> list[dict[str, float | None]]:
     """The METRICS of one prediction per resampled trace (same seed, prompts and cost model)."""
-    from sim.engine import simulate
+    from sim.simulate import simulate
 
     out = []
     for traces in resampled:

@@ -43,7 +43,11 @@ class SweepReport(Callback):
             print(f"sweep results: {table} (+ results.csv)")
         failed = sweeps.failures(sweep_dir)
         try:
-            report = build_report([sweep_dir], sweep_dir, workers=report_workers(sweep_dir))
+            from testbed.worker_pool import parallel_kwargs
+
+            # the figures drawn in the joblib launcher's warm workers when the sweep used them
+            report = build_report([sweep_dir], sweep_dir, workers=report_workers(sweep_dir),
+                                  pool=parallel_kwargs)
             print(f"sweep report: {report.with_suffix('.html')}")
         except (FileNotFoundError, ReportError) as e:
             print(f"error: no report: {e}", file=sys.stderr)

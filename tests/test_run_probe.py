@@ -10,7 +10,7 @@ import pytest
 
 from sim.cost_profile import ProfileCost
 from testbed.config import ConfigError, validate
-from testbed.recorder import RunRecorder, RunResult
+from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import write_run
 from tests.conftest import compose_exp
 from tests.test_cost_profile import make_profile
@@ -27,7 +27,8 @@ def _write_real_run(run_dir, *overrides: str, probes: dict, rounds: bool = False
             for r in range(12):
                 rec.round(request_id=rid, round_idx=r, start_s=0.0, end_s=0.0, drafted=3, checked=2,
                           accepted=1, emitted=2, verified_tokens=4, draft_s=0.01, target_s=0.03)
-            rec.request(rid, f"HumanEval/{rid}", 100, [], 24, 0.1, 1.0, 12)
+            rec.request(RequestRecord(request_id=rid, prompt_id=f"HumanEval/{rid}", prompt_len=100,
+                output_ids=[], generated=24, prefill_s=0.1, decode_s=1.0, rounds=12))
     write_run(run_dir, exp, RunResult(recorder=rec, extra=probes))
 
 

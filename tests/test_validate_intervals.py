@@ -47,7 +47,7 @@ def test_interval_columns_and_inside_share(tmp_path: Path) -> None:
 
 def _write_real_run(path: Path, decode_s: list[float]) -> None:
     """A one-pass real run of len(decode_s) requests of 40 tokens each (no interval recorded)."""
-    from testbed.recorder import RunRecorder
+    from testbed.recorder import RequestRecord, RunRecorder
     from testbed.results import RunResult, write_run
     from tests.conftest import compose_exp
 
@@ -58,7 +58,8 @@ def _write_real_run(path: Path, decode_s: list[float]) -> None:
         for r in range(20):
             rec.round(request_id=i, round_idx=r, start_s=0.0, end_s=0.0, drafted=4, checked=2,
                       accepted=1, emitted=2, verified_tokens=5, draft_s=0.0, target_s=0.0)
-        rec.request(i, f"HumanEval/{i}", 100, [], 40, 0.1, d, 20)
+        rec.request(RequestRecord(request_id=i, prompt_id=f"HumanEval/{i}", prompt_len=100, output_ids=[],
+            generated=40, prefill_s=0.1, decode_s=d, rounds=20))
     write_run(path, exp, RunResult(recorder=rec))
 
 

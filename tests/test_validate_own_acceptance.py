@@ -17,7 +17,7 @@ BASE = ("pair=smollm2_135m+smollm2_exit10", "hardware=local", "schedule.gamma=4"
 
 def _real_run(path: Path, split: str, accepted: int) -> None:
     """A recorded real run whose every round accepts ``accepted`` of 4 drafted tokens."""
-    from testbed.recorder import RunRecorder, RunResult
+    from testbed.recorder import RequestRecord, RunRecorder, RunResult
     from testbed.results import write_run
 
     rec = RunRecorder()
@@ -25,7 +25,8 @@ def _real_run(path: Path, split: str, accepted: int) -> None:
         rec.round(request_id=0, round_idx=r, start_s=0.01 * r, end_s=0.01 * (r + 1), drafted=4,
                   checked=min(4, accepted + 1), accepted=accepted, emitted=accepted + 1,
                   verified_tokens=5, draft_s=0.004, target_s=0.006)
-    rec.request(0, "HumanEval/0", 100, [], 16, 0.1, 0.01 * (16 // (accepted + 1)), 16 // (accepted + 1))
+    rec.request(RequestRecord(request_id=0, prompt_id="HumanEval/0", prompt_len=100, output_ids=[],
+        generated=16, prefill_s=0.1, decode_s=0.01 * (16 // (accepted + 1)), rounds=16 // (accepted + 1)))
     write_run(path, compose_exp("backend=real", *BASE, f"workload.split={split}"), RunResult(recorder=rec))
 
 

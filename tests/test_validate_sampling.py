@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from testbed.recorder import RunRecorder, RunResult
+from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.report import build_report
 from testbed.report.sections_validate import validation_frame
 from testbed.report.validate_sampling import (
@@ -63,7 +63,8 @@ def write_run_with_prompts(path: Path, backend: str, split: str, accepted: list[
             rec.round(request_id=rid, round_idx=r, start_s=0.0, end_s=0.0, drafted=4, checked=acc + 1,
                       accepted=acc, emitted=e, verified_tokens=5, draft_s=0.0, target_s=0.0)
             generated, r = generated + e, r + 1
-        rec.request(rid, f"HumanEval/{rid}", 100, [], 40, 0.1, decode_s, r)
+        rec.request(RequestRecord(request_id=rid, prompt_id=f"HumanEval/{rid}", prompt_len=100,
+            output_ids=[], generated=40, prefill_s=0.1, decode_s=decode_s, rounds=r))
     write_run(path, exp, RunResult(recorder=rec))
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from testbed.recorder import RunRecorder, RunResult
+from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.report import build_report
 from testbed.report.sections_validate import sibling_replay_frame, validation_frame
 from testbed.results import find_runs, write_run
@@ -31,7 +31,8 @@ def write_fake_run(path: Path, backend: str, split: str, decode_s: float, accept
                   verified_tokens=gamma + 1, draft_s=0.0, target_s=0.0)
         generated += e
         r += 1
-    rec.request(0, "HumanEval/0", 100, [], 40, 0.1, decode_s, r)
+    rec.request(RequestRecord(request_id=0, prompt_id="HumanEval/0", prompt_len=100, output_ids=[],
+        generated=40, prefill_s=0.1, decode_s=decode_s, rounds=r))
     write_run(path, exp, RunResult(recorder=rec))
 
 

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -97,10 +98,12 @@ def load_sections(runs: list[Run]) -> None:
 
 
 def build_report(paths: Iterable[Path | str], out_dir: Path | str, figures: bool = True,
-                 workers: int = 1) -> Path:
+                 workers: int = 1, pool: Callable[[int], dict[str, Any]] | None = None) -> Path:
     """Write report.md, report.html and figures into out_dir; return the report.md path.
     ``workers`` > 1 draws the sections' figures in that many processes (a sweep's report: most
-    of its time is matplotlib laying out text, one section at a time).
+    of its time is matplotlib laying out text, one section at a time); ``pool(n)`` gives joblib's
+    ``Parallel`` arguments for them (a sweep passes its warm workers: testbed.worker_pool), else
+    ``n`` fresh loky workers.
 
     Everything is written into a temporary directory beside the output first and moved in only
     when the whole report succeeded: a failure (a corrupt run) leaves `out_dir` as it was."""
@@ -128,7 +131,7 @@ def build_report(paths: Iterable[Path | str], out_dir: Path | str, figures: bool
                          f"{' '.join(map(str, paths))}` (or `report.figures=true`).\n")
         if failed:
             parts.append("## Failed jobs\n\n" + markdown_table(pd.DataFrame(failed)) + "\n")
-        for (_, title, _fn), body in zip(SECTIONS, _render(ctx, workers)):
+        for (_, title, _fn), body in zip(SECTIONS, _render(ctx, workers, pool)):
             if body:
                 parts.append(f"## {title}\n\n{body}\n")
         md = "\n".join(parts)
@@ -145,18 +148,16 @@ def build_report(paths: Iterable[Path | str], out_dir: Path | str, figures: bool
     return out / "report.md"
 
 
-def _render(ctx: ReportContext, workers: int) -> list[str]:
+def _render(ctx: ReportContext, workers: int, pool: Callable[[int], dict[str, Any]] | None) -> list[str]:
     """Every section's markdown, in order; in ``workers`` processes when drawing figures."""
     fns = [fn for _, _, fn in SECTIONS]
     if workers <= 1 or not ctx.draw or len(fns) <= 1:
         return [fn(ctx) for fn in fns]
     from joblib import Parallel, delayed
 
-    from testbed.worker_pool import parallel_kwargs
-
-    # the joblib launcher's warm workers when the sweep used them (testbed.worker_pool)
-    return Parallel(**parallel_kwargs(min(workers, len(fns))))(
-        delayed(_render_section)(fn, ctx) for fn in fns)
+    n = min(workers, len(fns))
+    kwargs = pool(n) if pool is not None else {"n_jobs": n, "backend": "loky"}
+    return Parallel(**kwargs)(delayed(_render_section)(fn, ctx) for fn in fns)
 
 
 def _render_section(fn: Section, ctx: ReportContext) -> str:

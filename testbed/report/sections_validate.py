@@ -16,9 +16,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from testbed import backends
-from testbed.metrics import KEY_FIELDS
 from testbed.report import ReportContext, markdown_table, section
-from testbed.report.schedule_kinds import chains, pipelined, serial, without_draft
+from testbed.report.schedule_kinds import chains, pipelined, serial
 from testbed.report.style import seaborn
 from testbed.report.validate_intervals import add_interval_columns, inside_share
 from testbed.report.validate_own_acceptance import (
@@ -26,21 +25,16 @@ from testbed.report.validate_own_acceptance import (
     own_acceptance_lines,
     resimulated,
 )
+from testbed.report.validate_runs import JOIN, family, measured_with_source, run_split
 from testbed.report.validate_sampling import sizing_lines
 from testbed.results import Run
-from testbed.results import run_split as split_of
-from testbed.workloads import TRACE_SOURCE, TRACE_SPLITS
+from testbed.workloads import TRACE_SPLITS
 
 METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len", "ar_tokens_per_s", "speedup")
 PARITY_METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len")
-JOIN = tuple(k for k in KEY_FIELDS if k != "backend") + ("split",)
 # validation.csv's rows: a decentralized point is also its links and τ (`+sweep=wan`), "-" otherwise
 VJOIN = (*JOIN, "dsd_point")
 TARGET_MEDIAN, TARGET_WORST, TARGET_P90 = 5.0, 15.0, 10.0
-
-
-def run_split(run: Run) -> str:
-    return split_of(run.path, run.summary)
 
 
 def dsd_point(summary: dict) -> str:
@@ -208,29 +202,6 @@ def sibling_replay(measured: Run, source: Run) -> float | None:
     return sum(rates) / len(rates) if rates else None
 
 
-def measured_with_source(runs: list[Run], val: pd.DataFrame, schedules: tuple[str, ...] | None = None
-                         ) -> list[tuple[Run, Run, dict]]:
-    """(measured real run, its trace-source real run, its join key) for every real run of
-    ``val``'s measurements (of ``schedules``, or every one but `ar`) whose trace-source run —
-    the same configuration on the split that fed its prediction — is among ``runs``."""
-    def key(run: Run) -> tuple:
-        s = run.summary
-        return tuple(float(s.get(k)) if k == "temperature" else s.get(k) for k in JOIN if k != "split")
-
-    real = [r for r in runs if r.summary.get("backend") == "real"
-            and (r.summary.get("schedule") in schedules if schedules
-                 else r.summary.get("schedule") not in without_draft())]
-    sources = {(key(r), run_split(r)): r for r in real if run_split(r) in TRACE_SPLITS}
-    measured = {tuple(r[k] for k in JOIN) for _, r in val.iterrows()} if len(val) else set()
-    out = []
-    for run in real:
-        split = run_split(run)
-        src = sources.get((key(run), TRACE_SOURCE.get(split, "")))
-        if src is not None and (*key(run), split) in measured:
-            out.append((run, src, dict(zip(JOIN, (*key(run), split)))))
-    return out
-
-
 def sibling_replay_frame(runs: list[Run], val: pd.DataFrame) -> pd.DataFrame:
     """Every measured real run against its trace-source real run replayed on its rounds: the
     run-to-run timing noise of the machine, a floor for any latency model's tokens/s error."""
@@ -244,14 +215,6 @@ def sibling_replay_frame(runs: list[Run], val: pd.DataFrame) -> pd.DataFrame:
         got = float(run.summary["tokens_per_s"])
         rows.append({**key, "predicted": pred, "measured": got, "error_pct": 100.0 * (pred - got) / got})
     return pd.DataFrame(rows)
-
-
-def family(summary: dict) -> str:
-    """The schedule family a run belongs to: `sync` (chain), `sync_tree` (serial tree),
-    `async`, `decentralized`, `ar` — with its lookahead policy when that is not static."""
-    name = str(summary.get("schedule"))
-    policy = summary.get("lookahead")
-    return f"{name}+{policy}" if policy and policy != "static" and name not in without_draft() else name
 
 
 def error_stats(val: pd.DataFrame, by: tuple[str, ...] = ("metric",)) -> pd.DataFrame:

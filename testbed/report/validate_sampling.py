@@ -63,7 +63,7 @@ def prompts_needed(cv: float, goal_pct: float, z: float = Z_MEDIAN) -> int:
 def sampling_frame(runs: list[Run], val: pd.DataFrame) -> pd.DataFrame:
     """One row per measured real run with a trace-source run beside it: family, prompts per split,
     between-prompt CV, observed and expected transfer (%)."""
-    from testbed.report.sections_validate import family, measured_with_source
+    from testbed.report.validate_runs import family, measured_with_source
 
     rows = []
     for run, src, key in measured_with_source(runs, val):
