@@ -20,7 +20,8 @@ calls it between the layers it fuses, or steps aside when it cannot.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 # torch's CPU allocator puts allocations of >= 2 MB on transparent huge pages when this is set
 # before its first allocation (a forward that streams weights from 4 KB pages took 1.3-1.45x as
@@ -102,3 +103,16 @@ def use_reference() -> None:
     """Plain PyTorch references for every op (e.g. to compare against the defaults)."""
     for name in OPS:
         globals()[name] = getattr(reference, name)
+
+
+@contextmanager
+def reference_kernels() -> Iterator[None]:
+    """The PyTorch reference ops inside the block (differentiable: training; the native CPU
+    kernels are inference-only), restoring whatever was registered before."""
+    saved = {name: get(name) for name in OPS}
+    use_reference()
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            globals()[name] = fn

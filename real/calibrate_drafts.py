@@ -40,7 +40,7 @@ def drafts_to_measure(exp: ExperimentConfig) -> list[ModelConfig]:
     """The pair's draft first (when it can run here), then every other available draft."""
     found = {m.name: m for m in _draft_presets(exp.pair.target)}
     d = exp.pair.draft
-    runnable = d.kind != "transformer" or (d.path is not None and repo_path(d.path).exists())
+    runnable = d.kind not in ("transformer", "eagle") or (d.path is not None and repo_path(d.path).exists())
     if d.name and d.name not in found and runnable:
         found = {d.name: d, **found}
     return list(found.values())

@@ -32,6 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from real.draft_data import generate_batch
+from real.eagle import EagleDraft, EagleHead, chain_accepted, forced_logits, is_eagle_dir, load_head
 from testbed.paths import ROOT, repo_path
 from testbed.spec.sampling import SamplingParams, standardize
 from testbed.spec.speculative import acceptance_ratios, accepted_prefix, expected_acceptance
@@ -68,28 +69,45 @@ def teacher_forced_logits(model, tokens: list[int], start: int) -> torch.Tensor:
 
 def score_sequence(target, draft, tokens: list[int], n_prompt: int, temperature: float,
                    gamma: int) -> dict:
+    """β per continuation position and (T0) the accepted lengths of sync rounds; ``draft`` is a
+    model, or an eagle head (real/eagle.py: one step from the target's features for β, its
+    own chained features for the accepted lengths)."""
+    eagle = isinstance(draft, EagleHead)
     p_logits = teacher_forced_logits(target, tokens, n_prompt)
-    q_logits = teacher_forced_logits(draft, tokens, n_prompt)
+    q_logits = forced_logits(draft, target, tokens, n_prompt) if eagle else \
+        teacher_forced_logits(draft, tokens, n_prompt)
     params = T0 if temperature == 0 else SamplingParams(temperature=temperature)
     beta = expected_acceptance(standardize(p_logits, params), standardize(q_logits, params))
     out = {"positions": len(beta), "beta_sum": float(beta.sum())}
     if temperature == 0:
-        out["accepted"] = sync_accepted_lengths(p_logits.argmax(-1), q_logits.argmax(-1), gamma)
+        out["accepted"] = chain_accepted(draft, target, tokens, n_prompt, gamma) if eagle else \
+            sync_accepted_lengths(p_logits.argmax(-1), q_logits.argmax(-1), gamma)
     return out
 
 
 @torch.inference_mode()
 def decode_forward_ms(target, draft, context: int, reps: int, seed: int) -> tuple[float, float]:
-    """Median ms of one batch-1, one-token forward after ``context`` tokens, per model."""
+    """Median ms of one batch-1, one-token forward after ``context`` tokens, per model (an
+    eagle head: its layer, fc and the target's LM head)."""
     gen = torch.Generator().manual_seed(seed)
     ctx = torch.randint(0, target.args.vocab_size, (1, context), generator=gen)
-    for m in (target, draft):
-        m.setup_cache(context + 1, 1)
-        m(ctx, 0)
+    steps = [target]
+    if isinstance(draft, EagleHead):
+        head = EagleDraft(draft, target, T0, "eagle")
+        target.keep_hidden = False
+        steps.append(lambda x, pos: head.forward_probs(x[0].tolist(), pos))
+        target.setup_cache(context + 1, 1)
+        target(ctx, 0)
+        head.forward_probs(ctx[0].tolist(), 1)
+    else:
+        steps.append(draft)
+        for m in (target, draft):
+            m.setup_cache(context + 1, 1)
+            m(ctx, 0)
     times: dict[int, list[float]] = {0: [], 1: []}
     for r in range(reps + 3):
         x = torch.randint(0, target.args.vocab_size, (1, 1), generator=gen)
-        for j, m in enumerate((target, draft)):
+        for j, m in enumerate(steps):
             t = time.perf_counter()
             m(x, context)  # same slot every time: constant context length
             if r >= 3:  # warm-up
@@ -104,8 +122,11 @@ def evaluate(cfg: DictConfig) -> dict:
     torch.set_num_threads(int(cfg.threads))
     max_seq = cfg.max_prompt_tokens + cfg.max_new_tokens + 8
     target, tok = load_model(max_seq=max(max_seq, cfg.timing.context + 1))
-    draft, draft_tok = load_model(repo_path(cfg.draft), max_seq=max(max_seq, cfg.timing.context + 1))
-    if draft.args.vocab_size != target.args.vocab_size:
+    if is_eagle_dir(repo_path(cfg.draft)):
+        draft = load_head(repo_path(cfg.draft), target)
+    else:
+        draft, _ = load_model(repo_path(cfg.draft), max_seq=max(max_seq, cfg.timing.context + 1))
+    if not isinstance(draft, EagleHead) and draft.args.vocab_size != target.args.vocab_size:
         raise SystemExit(f"draft vocab {draft.args.vocab_size} != target vocab {target.args.vocab_size}")
     results: dict = {"draft": str(cfg.draft), "gamma": cfg.gamma, "workloads": {}}
     for name in cfg.workloads:

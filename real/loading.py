@@ -11,6 +11,7 @@ import torch
 from real.context import RealRequest
 from real.cuda_graphs import GraphedForwards
 from real.drafts import Draft, EarlyExitDraft, ModelDraft, NgramDraft
+from real.eagle import EagleDraft, load_head
 from real.errors import RealSetupError, WeightsNotFound
 from real.model import Transformer
 from real.tokenizer import Tokenizer
@@ -101,6 +102,20 @@ def _early_exit_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tok
         raise RealSetupError(f"pair.draft.exit_layer={d.exit_layer} must be in [1, "
                              f"{target.args.n_layers - 1}] for this target")
     return EarlyExitDraft(target, d.exit_layer, params)
+
+
+@DRAFTS.register("eagle")
+def _eagle_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tokenizer,
+                 params: SamplingParams) -> Draft:
+    d = exp.pair.draft
+    if d.path is None:
+        raise RealSetupError(f"pair.draft.path is not set for the eagle head {d.name!r}: point it at a "
+                             "directory written by python -m real.train_draft kind=eagle")
+    path = repo_path(d.path)
+    if not path.is_dir():
+        raise WeightsNotFound(str(d.path), "set pair.draft.path to an eagle head directory "
+                              "(python -m real.train_draft kind=eagle writes one)")
+    return EagleDraft(load_head(path, target), target, params, d.name)
 
 
 @DRAFTS.register("transformer")

@@ -209,6 +209,10 @@ class Transformer(nn.Module):
         self.tp_vocab: tuple[int, int] | None = None  # (lo, hi): this rank's LM-head rows under TP
         # real.cuda_graphs.GraphedForwards when chain forwards replay CUDA graphs (real.loading)
         self.graph_forwards = None
+        # A feature-level draft (real.eagle) reads the last layer's output of the last forward
+        # through all the layers (pre-norm, [B, T, dim]); kept only when it asks.
+        self.keep_hidden = False
+        self.last_hidden: Tensor | None = None
 
     # ------------------------------------------------------------------------------ setup
     @property
@@ -339,6 +343,8 @@ class Transformer(nn.Module):
             for layer in self.layers[lo:hi]:
                 h = layer(h, cos, sin, pos, mask, kv_len)
         self.kv_len = high
+        if self.keep_hidden and hi == self.args.n_layers:
+            self.last_hidden = h
         return h
 
     def forward(self, x: Tensor, input_pos: Tensor | int | None = None, mask: Tensor | None = None,

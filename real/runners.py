@@ -56,7 +56,8 @@ class TargetRunner:
 def chain_logits(model: Transformer, tokens: list[int], start: int) -> torch.Tensor:
     """fp32 logits ``[T, V]`` (on the host) after feeding ``tokens`` at slots ``start..``: replayed
     from a CUDA graph where the model has them (real.cuda_graphs), else the eager forward."""
-    graphs = model.graph_forwards
+    # a graph replays logits only: a model whose hidden states a feature-level draft reads runs eagerly
+    graphs = None if model.keep_hidden else model.graph_forwards
     logits = graphs.logits(tokens, start) if graphs is not None else None
     if logits is None:
         logits = model(torch.tensor([tokens], device=model.device), input_pos=start)[0]

@@ -2,6 +2,7 @@
 
     python -m real.train_draft                        # default: conf/train_draft.yaml
     python -m real.train_draft steps=50 out=/tmp/d threads=1
+    python -m real.train_draft kind=eagle             # a feature-level head instead (real/train_eagle.py)
 
 Two phases, both resumable (rerun the same command after an interruption):
 
@@ -27,15 +28,13 @@ import math
 import random
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-import kernels
+from kernels import reference_kernels
 from real.draft_data import (  # noqa: E402  (phase 1: the teacher data)
     _atomic_save,
     batch_at,
@@ -44,6 +43,7 @@ from real.draft_data import (  # noqa: E402  (phase 1: the teacher data)
 )
 from real.errors import USER_ERRORS, RealSetupError
 from real.model import ModelArgs, Transformer
+from real.train_eagle import train as train_eagle
 from real.weights import to_model_state
 from testbed.paths import ROOT, repo_path
 
@@ -106,19 +106,6 @@ def hf_state(model: Transformer) -> dict[str, Tensor]:
                 p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
                 p + "mlp.down_proj.weight": layer.feed_forward.w2}
     return {k: v.detach() for k, v in out.items()}
-
-
-@contextmanager
-def reference_kernels() -> Iterator[None]:
-    """The PyTorch reference ops (differentiable; the faster CPU kernels are inference-only),
-    restoring whatever was registered before."""
-    saved = {name: kernels.get(name) for name in kernels.OPS}
-    kernels.use_reference()
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(kernels, name, fn)
 
 
 def draft_logits(model: Transformer, tokens: Tensor, select: Tensor | None = None) -> Tensor:
@@ -294,7 +281,10 @@ def main() -> None:
     @hydra.main(config_path=str(ROOT / "conf"), config_name="train_draft", version_base=None)
     def _run(cfg: DictConfig) -> None:
         try:
-            train(cfg)
+            if cfg.kind not in ("small", "eagle"):
+                raise RealSetupError(f"kind={cfg.kind!r}: small (the distilled draft model) or eagle "
+                                     "(a feature-level head)")
+            train_eagle(cfg) if cfg.kind == "eagle" else train(cfg)
         except USER_ERRORS as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None

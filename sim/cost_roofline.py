@@ -26,6 +26,7 @@ from sim.roofline import (
     forward_ops,
 )
 from testbed.config import ExperimentConfig, ModelConfig
+from testbed.schedules import spec_of
 
 NGRAM_FORWARD_S = 10e-6  # prompt lookup on the host: a hash-table probe, no GPU work
 
@@ -74,6 +75,8 @@ class RooflineCost(CostModel):
             draft = None
         elif d.kind == "early_exit":
             draft = (early_exit_model(t, d.exit_layer), pl.target_gpus)
+        elif d.kind == "eagle" and spec_of(exp).serial:  # beside the target, whose features it reads
+            draft = (d, pl.target_gpus)
         else:
             draft = (d, pl.draft_gpus)
         self.models: dict[str, tuple[ModelConfig, int] | None] = {

@@ -46,6 +46,8 @@ class Pipeline:
         t = ctx.exp.pair.target
         self.hidden, self.act_bytes = t.hidden, spec(t.quant).act_bytes
         self.act_bytes_per_token = t.hidden * self.act_bytes
+        # an eagle draft on the first node reads the verified tokens' features: the last node sends them back
+        self.back_feature_bytes = self.act_bytes_per_token if ctx.exp.pair.draft.kind == "eagle" else 0
 
     @classmethod
     def of(cls, ctx: SimContext) -> Pipeline:
@@ -95,7 +97,7 @@ class Pipeline:
     def send_back(self, ntokens: int, request_id: int, round_idx: int) -> Generator[Any, Any, None]:
         """The last node returns `ntokens` token ids to the first."""
         if self.back is not None:
-            yield from self.back.send(ntokens * TOKEN_BYTES, request_id, round_idx)
+            yield from self.back.send(ntokens * (TOKEN_BYTES + self.back_feature_bytes), request_id, round_idx)
 
     def summary_fields(self) -> dict[str, Any]:
         """Network facts of the run, for summary.json."""

@@ -127,8 +127,8 @@ def allreduce_s(hw: HardwareConfig, tp: int, nbytes: float, cal: Calibration,
 
 def _check(model: ModelConfig, hw: HardwareConfig, tp: int, tokens: int,
            layers: tuple[int, int] | None) -> tuple[int, int]:
-    if model.kind != "transformer":
-        raise ValueError(f"model.kind={model.kind!r} is not allowed here: transformer")
+    if model.kind not in ("transformer", "eagle"):
+        raise ValueError(f"model.kind={model.kind!r} is not allowed here: transformer or eagle")
     if not 1 <= tp <= hw.gpus_per_node:  # the α–β all-reduce models NVLink inside one node
         raise ValueError(f"tp={tp} is not allowed: an integer in [1, {hw.gpus_per_node}] "
                          f"(GPUs per node of {hw.name})")
@@ -195,6 +195,8 @@ def forward_ops(model: ModelConfig, hw: HardwareConfig, tp: int, tokens: int,
     head_bytes = weight_bytes(hq, 1, 1)
     if lo == 0:
         ops.append(Op("embedding", "other", 1, 1, bw, gemm_peak, bytes0=t * h * (head_bytes + act)))
+        if model.kind == "eagle":  # fc([embedding, feature]) before its one layer (real/eagle.py)
+            ops.append(gemm("eagle_fc", 2 * h, h, 1, count=1))
     if hi == model.layers:
         vp = -(-model.vocab // tp)
         head_peak = peak_flops(hw, hq) * cal.gemm_flop_efficiency

@@ -28,6 +28,8 @@ MODEL_KINDS: Registry[str] = Registry("model kind")
 MODEL_KINDS.register("transformer", "a decoder with weights of its own")
 MODEL_KINDS.register("ngram", "prompt lookup: the longest n-gram match proposes its continuation (drafts only)")
 MODEL_KINDS.register("early_exit", "the target's first exit_layer layers and its head (drafts only)")
+MODEL_KINDS.register("eagle", "a feature-level head: one decoder layer of the target's width that reads "
+                     "the target's last hidden state and shares its embedding and LM head (drafts only)")
 MLPS = ("swiglu", "gelu")  # gelu: GPTBigCode/StarCoder, 2 matrices instead of 3
 QUANTS = ("fp32", "bf16", "fp16", "int8", "int4_awq", "q4_1")
 
@@ -87,7 +89,7 @@ class LookaheadConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    kind: str = "transformer"  # transformer | ngram | early_exit
+    kind: str = "transformer"  # transformer | ngram | early_exit | eagle
     family: str = "llama"
     layers: int = 0
     hidden: int = 0
@@ -110,11 +112,13 @@ class ModelConfig:
     @property
     def params(self) -> int:
         """Parameter count of a dense Llama-style decoder (embeddings included)."""
-        if self.kind != "transformer":
+        if self.kind not in ("transformer", "eagle"):
             return 0
         hd = self.head_dim or (self.hidden // max(self.heads, 1))
         attn = self.hidden * hd * (self.heads + 2 * self.kv_heads) + self.heads * hd * self.hidden
         mlp = (2 if self.mlp == "gelu" else 3) * self.hidden * self.ffn
+        if self.kind == "eagle":  # its layer, fc and feature norm; embedding and LM head are the target's
+            return self.layers * (attn + mlp + 2 * self.hidden) + 2 * self.hidden * self.hidden + 2 * self.hidden
         emb = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         return self.layers * (attn + mlp + 2 * self.hidden) + emb + self.hidden
 

@@ -43,7 +43,7 @@ def _validate_model(prefix: str, m: ModelConfig, backend: str) -> None:
     _choice(f"{prefix}.kind", m.kind, MODEL_KINDS.names())
     _choice(f"{prefix}.quant", m.quant, QUANTS)
     _choice(f"{prefix}.mlp", m.mlp, MLPS)
-    if m.kind == "transformer":
+    if m.kind in ("transformer", "eagle"):
         for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
             _int_range(f"{prefix}.{k}", getattr(m, k), 1)
         if m.heads % m.kv_heads:
@@ -51,6 +51,24 @@ def _validate_model(prefix: str, m: ModelConfig, backend: str) -> None:
                               f"a divisor of {prefix}.heads={m.heads}")
     if m.kind == "ngram":
         _int_range(f"{prefix}.ngram", m.ngram, 1, 16)
+
+
+def _validate_eagle(exp: ExperimentConfig) -> None:
+    """An eagle head is one decoder layer of its target's shape that reads the target's features."""
+    t, d, spec = exp.pair.target, exp.pair.draft, spec_of(exp)
+    def shape(m: ModelConfig) -> dict[str, int]:
+        return {"hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads, "ffn": m.ffn, "vocab": m.vocab,
+                "head_dim": m.head_dim or m.hidden // max(m.heads, 1)}
+
+    for k, v in shape(d).items():
+        if v != shape(t)[k]:
+            raise ConfigError(f"pair.draft.{k}", v, f"the target's {k}={shape(t)[k]} (an eagle head is one "
+                              "layer of its target's width; choose the head trained for this target)")
+    _int_range("pair.draft.layers", d.layers, 1, 1)
+    if exp.backend == "real" and not spec.chain:
+        raise ConfigError("pair.draft.kind", d.kind, f"a model draft with schedule={exp.schedule.name}"
+                          + (" (tree)" if exp.schedule.tree else "") + " on backend=real: the eagle head "
+                          "drafts chains there (schedule=sync and its lookahead policies)")
 
 
 def _validate_lookahead(exp: ExperimentConfig) -> None:
@@ -115,6 +133,8 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
                           f"the target's vocabulary size {t.vocab} (draft and target must share a tokenizer)")
     if d.kind == "early_exit":
         _int_range("pair.draft.exit_layer", d.exit_layer, 1, t.layers - 1)
+    if d.kind == "eagle":
+        _validate_eagle(exp)
 
     hw, pl = exp.hardware, exp.placement
     _int_range("hardware.gpus_per_node", hw.gpus_per_node, 1)

@@ -118,6 +118,12 @@ def tokens_bytes(n: int) -> int:
     return n * TOKEN_BYTES
 
 
+def features_bytes(n: int, *, hidden: int, act_bytes: int) -> int:
+    """The target's last hidden states of n verified tokens: what a feature-level (eagle) draft
+    reads, sent with the verified tokens when the draft runs elsewhere."""
+    return n * hidden * act_bytes
+
+
 def dists_bytes(k: int, vocab: int, dtype_bytes: int = 4) -> int:
     """k draft distributions over the vocabulary (needed for lossless sampling at T > 0)."""
     return k * vocab * dtype_bytes

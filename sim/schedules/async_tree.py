@@ -39,9 +39,10 @@ import simpy
 from sim.context import SimContext, SimRequest
 from sim.links import Link
 from sim.pipeline import TOKEN_BYTES, topology_for
+from sim.quant import spec
 from sim.schedules import register
 from sim.tree_tokens import TimedTreeDrafter, tree_tokens
-from testbed.links import TREE_NODE_BYTES, TREE_TIMES_BYTES, subtree_message_bytes
+from testbed.links import TREE_NODE_BYTES, TREE_TIMES_BYTES, features_bytes, subtree_message_bytes
 from testbed.recorder import RequestRecord
 from testbed.spec.tree_drafter import AsyncDepth
 
@@ -116,6 +117,7 @@ class Side:
     rec: Any  # testbed.recorder.RunRecorder
     vocab: int = 0  # the pair's vocabulary (the draft's q rows in a subtree message at T > 0)
     sampled: bool = False  # temperature > 0: subtrees carry q
+    feature_bytes: int = 0  # per verified token in the target's reply (an eagle draft reads them)
 
     def now(self) -> float:
         return self.env.now
@@ -145,7 +147,8 @@ def target_worker(side: Side, req: SimRequest, toks: Any, start: float, out: lis
                   emitted=emitted, verified_tokens=len(batch), draft_s=draft_s, target_s=dt)
         t_prev = env.now
         done = generated >= n_max
-        side.peer.send(TOKEN_BYTES * (len(res.tokens) + 1), (res.tokens, done, env.now), rid, r)
+        reply = TOKEN_BYTES * (len(res.tokens) + 1) + side.feature_bytes * len(res.tokens)
+        side.peer.send(reply, (res.tokens, done, env.now), rid, r)
         r += 1
         if done:
             finished.update(end=env.now, rounds=r)
@@ -219,6 +222,14 @@ def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: 
             times.append(dt)
 
 
+def reply_feature_bytes(exp: Any) -> int:
+    """Bytes per verified token that the target adds to its reply: the token's last hidden state
+    when the draft is a feature-level (eagle) head, else none."""
+    t = exp.pair.target
+    return features_bytes(1, hidden=t.hidden, act_bytes=spec(t.quant).act_bytes) \
+        if exp.pair.draft.kind == "eagle" else 0
+
+
 @register("async")
 def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     env, cost, rec = ctx.env, ctx.cost, ctx.rec
@@ -240,7 +251,8 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     prefill_s = env.now - t0
     start = env.now
     target_inbox, draft_inbox = simpy.Store(env), simpy.Store(env)
-    target_side = Side(env, cost, groups["target"], Peer(env, to_draft, target_inbox, draft_inbox), rec)
+    target_side = Side(env, cost, groups["target"], Peer(env, to_draft, target_inbox, draft_inbox), rec,
+                       feature_bytes=reply_feature_bytes(ctx.exp))
     draft_side = Side(env, cost, groups["draft"], Peer(env, to_target, draft_inbox, target_inbox), rec,
                       vocab=ctx.exp.pair.target.vocab, sampled=ctx.exp.sampling.temperature > 0)
     out: list[int] = []

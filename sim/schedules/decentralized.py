@@ -119,7 +119,7 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
     timeout = env.timeout
     n_max = req.max_new_tokens
     # a sampled model draft's q travels with the window (real/schedules/decentralized.py)
-    sends_q = exp.sampling.temperature > 0 and exp.pair.draft.kind == "transformer"
+    sends_q = exp.sampling.temperature > 0 and exp.pair.draft.kind in ("transformer", "eagle")
     while generated < n_max:
         gamma = policy.next_gamma()
         t_round = env.now
