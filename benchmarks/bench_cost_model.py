@@ -14,9 +14,9 @@ import random
 import sys
 import time
 
-from sim.cost_roofline import RooflineCost
+from sim.cost.roofline import RooflineCost
+from sim.cost.roofline_forward import forward_cost
 from sim.presets import load_hardware_preset, load_model_preset
-from sim.roofline import forward_cost
 from testbed.config import ExperimentConfig, PairConfig, PlacementConfig
 
 

@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    from real.engine import run
+    from real.runtime.engine import run
     from testbed.metrics import divergence
 
     common = ["backend=real", "schedule=decentralized", f"placement.nodes={a.nodes}", "network=wan",

@@ -41,8 +41,8 @@ from roofline_probes import DTYPES, PROBE_BUFFERS, gemm_peak, model_cost
 
 import kernels
 from kernels import cpu, native, reference
-from real.model import Transformer
-from real.weights import load_model
+from real.model.decoder import Transformer
+from real.model.weights import load_model
 
 
 # ------------------------------------------------------------------------------ the forwards

@@ -23,7 +23,7 @@ from testbed.registry import Registry
 PROFILE_DRIFTS = ("none", "probe", "forward", "run_probe")
 WORKLOADS = ("synthetic", "humaneval", "mtbench", "alpaca")
 # what a model of a pair is (pair.target.kind, pair.draft.kind); the real backend builds a draft
-# of each kind from its own registry (real/loading.py DRAFTS)
+# of each kind from its own registry (real/runtime/loading.py DRAFTS)
 MODEL_KINDS: Registry[str] = Registry("model kind")
 MODEL_KINDS.register("transformer", "a decoder with weights of its own")
 MODEL_KINDS.register("ngram", "prompt lookup: the longest n-gram match proposes its continuation (drafts only)")
@@ -52,7 +52,7 @@ class ConfigError(ValueError):
 
 def doc(default: Any, text: str, unit: str = "") -> Any:
     """A setting's default with what it means and its unit: the one source of ``--help``
-    (testbed/cli_help.py), the validation messages (ConfigError) and the README's settings
+    (testbed/app/cli_help.py), the validation messages (ConfigError) and the README's settings
     (testbed/config_docs.py reads them)."""
     return field(default=default, metadata={"doc": text, "unit": unit})
 
@@ -81,7 +81,7 @@ class LookaheadConfig:
     policy: str = doc("static", "how many tokens to draft each round (also chosen as lookahead=NAME)")
     threshold: float | None = doc(None, "stop drafting below this score (confidence: draft probability, "
                                   "default 0.4; disco: the classifier file's tuned one)")
-    path: str | None = doc(None, "disco: the classifier file (python -m real.train_disco)")
+    path: str | None = doc(None, "disco: the classifier file (python -m real.train.disco)")
 
 
 @dataclass
@@ -185,7 +185,7 @@ class SimConfig:
                                    "this machine's)")
     profile_rescale: bool = doc(False, "profile + acceptance=trace: scale to the trace runs' round times")
     # profile: the machine's drift, without a run of the configuration: `forward` scales each
-    # model's times by its probe forward now / in the profile (real/probe_forward.py), `probe`
+    # model's times by its probe forward now / in the profile (real/calibrate/probe_forward.py), `probe`
     # all times by the profile's bandwidth probe / the probe now (testbed/machine.py)
     profile_drift: str = doc("none", "profile: correct for the machine's drift since calibration: "
                              "none | forward | probe | run_probe")

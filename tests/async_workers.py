@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from real.async_run import async_rank
+from real.runtime.async_run import async_rank
+from real.runtime.worker import WorkerContext
 from real.schedules import REGISTRY
-from real.worker import WorkerContext
 
 
 def async_rank_killed(ctx: WorkerContext, role: str, stamp: str) -> Any:

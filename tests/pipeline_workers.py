@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from real.pipeline import Stage
-from real.pipeline_run import pipeline_rank
-from real.worker import WorkerContext
+from real.runtime.pipeline import Stage
+from real.runtime.pipeline_run import pipeline_rank
+from real.runtime.worker import WorkerContext
 
 
 def pipeline_rank_killed(ctx: WorkerContext, group: str, stamp: str) -> Any:

@@ -12,8 +12,8 @@ import functools
 import pytest
 import torch
 
-from real.model import ModelArgs, Transformer
-from real.tokenizer import Tokenizer
+from real.model.decoder import ModelArgs, Transformer
+from real.model.tokenizer import Tokenizer
 
 TINY = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=97,
                  rope_theta=10000.0, max_seq_len=64)
@@ -21,7 +21,7 @@ TINY = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_
 
 @functools.cache
 def bundled() -> tuple[Transformer, Tokenizer]:
-    from real.weights import load_model
+    from real.model.weights import load_model
 
     return load_model(max_seq=512)
 
@@ -30,7 +30,7 @@ def bundled() -> tuple[Transformer, Tokenizer]:
 def _hf_model():
     from transformers import AutoModelForCausalLM
 
-    from real.weights import bundled_gguf_path
+    from real.model.weights import bundled_gguf_path
 
     path = bundled_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -41,7 +41,7 @@ def _hf_model():
 def _hf_tokenizer():
     from transformers import AutoTokenizer
 
-    from real.weights import bundled_gguf_path
+    from real.model.weights import bundled_gguf_path
 
     path = bundled_gguf_path()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

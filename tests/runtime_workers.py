@@ -10,8 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from real.links import Kind, Message
-from real.worker import WorkerContext
+from real.runtime.links import Kind, Message
+from real.runtime.worker import WorkerContext
 
 
 def ping_pong(ctx: WorkerContext, rounds: int) -> dict:

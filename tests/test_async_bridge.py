@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from real.schedules.async_tree import pack_batch
-from sim.engine import run
+from sim.runtime.engine import run
 from testbed.config import real_dtype
 from testbed.links import TREE_NODE_BYTES, TREE_TIMES_BYTES, subtree_message_bytes
 from testbed.placement import link_name
@@ -75,8 +75,8 @@ def test_simulated_async_sends_its_subtrees_over_the_measured_bridge(tmp_path: P
 
 
 def test_a_two_core_profile_without_the_bridge_table_is_measured_again(tmp_path: Path) -> None:
-    from real.calibrate import SCHEMA
-    from real.ensure_profile import profile_is_current
+    from real.calibrate.ensure_profile import profile_is_current
+    from real.calibrate.profile import SCHEMA
 
     exp = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "backend=real")
     prof = profile_with_tp()
@@ -95,7 +95,7 @@ def test_a_two_core_profile_without_the_bridge_table_is_measured_again(tmp_path:
 
 @pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2, reason="needs two cores (one worker per core)")
 def test_the_bridge_is_measured_between_the_two_pinned_groups_of_an_async_run() -> None:
-    from real.calibrate_bridge import BridgeGrid, measure_bridge
+    from real.calibrate.bridge import BridgeGrid, measure_bridge
 
     grid = BridgeGrid(bytes=[64, 300_000], repeats=2, busy_s=0.005)
     lines: list[str] = []

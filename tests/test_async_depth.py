@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from real.context import RealRequest
-from real.links import Kind, Message
+from real.model.tree_tokens import LocalModel
+from real.runtime.context import RealRequest
+from real.runtime.links import Kind, Message
 from real.schedules.async_tree import Side, draft_worker, unpack_batch
-from real.tree_tokens import LocalModel
 from testbed.metrics import tree_shape
 from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams
@@ -105,7 +105,7 @@ def test_the_real_draft_worker_grows_each_round_as_many_times_as_the_last_rounds
 def test_the_simulated_draft_adapts_d_to_the_modelled_expansions_as_the_real_one(tmp_path: Path) -> None:
     """An n-gram draft: the probe times a one-leaf expansion (1 ms), the rounds' expansions of
     up to four leaves cost up to 4 ms: after the first round d comes down."""
-    from sim.engine import run
+    from sim.runtime.engine import run
 
     prof = profile_with_tp()
     prof["models"]["ngram3"] = {**prof["models"].get("ngram3", {}), "tree_expand": {

@@ -15,9 +15,9 @@ pytest.importorskip("gguf")
 
 
 def test_quick_calibration_feeds_the_profile_cost_model(tmp_path: Path) -> None:
-    from real.calibrate import PROFILE_THREADS, SCHEMA, Grid, calibrate
-    from sim.cost_profile import ProfileCost
-    from sim.engine import run as sim_run
+    from real.calibrate.profile import PROFILE_THREADS, SCHEMA, Grid, calibrate
+    from sim.cost.profile import ProfileCost
+    from sim.runtime.engine import run as sim_run
 
     # real.threads unset, as `backend=real +calibrate` runs: the threads the sweeps run at
     exp = compose_exp("backend=real", "pair=smollm2_135m+smollm2_exit10")
@@ -51,7 +51,7 @@ def test_quick_calibration_feeds_the_profile_cost_model(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_gloo_message_benchmark_fits_alpha_beta() -> None:
-    from real.calibrate_links import measure_messages
+    from real.calibrate.links import measure_messages
 
     res = measure_messages([4, 65536, 4194304], repeats=20)
     assert res["alpha_s"] >= 0 and res["beta_s_per_byte"] > 0

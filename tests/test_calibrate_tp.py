@@ -1,4 +1,4 @@
-"""real/calibrate_tp.py on tiny random checkpoints: the TP 1/2 chain and tree tables, the
+"""real/calibrate/tp.py on tiny random checkpoints: the TP 1/2 chain and tree tables, the
 all-reduce and round-trip tables come back complete and well-formed, and no worker is left
 (nothing about the values: timings are never asserted)."""
 
@@ -8,7 +8,7 @@ import psutil
 import pytest
 import torch
 
-from real.calibrate_tp import SHAPES, TpGrid, measure_tp, tree_mask
+from real.calibrate.tp import SHAPES, TpGrid, measure_tp, tree_mask
 from tests.conftest import compose_exp
 from tests.tiny_checkpoint import write_tiny_checkpoint
 

@@ -1,4 +1,4 @@
-"""real/calibrate_tree.py: a tree expansion's time beyond the draft's forward."""
+"""real/calibrate/tree.py: a tree expansion's time beyond the draft's forward."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from real.calibrate_tree import GROWN, time_expansions
+from real.calibrate.tree import GROWN, time_expansions
 from testbed.spec.sampling import SamplingParams
 
 
@@ -58,7 +58,7 @@ class CountingKv(SlowForward):
 
 
 def test_async_bookkeeping_times_select_and_a_reroot_that_keeps_a_subtree() -> None:
-    from real.calibrate_tree import time_bookkeeping
+    from real.calibrate.tree import time_bookkeeping
 
     model = CountingKv()
     out = time_bookkeeping(model, 512, SamplingParams(temperature=0.0), leaves=(2, 4), passes=3)

@@ -125,7 +125,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (ckpt / "config.json").write_text("{not json")
     (d / "profile.json").write_text("{\"schema\": ")
     (d / "profile_list.json").write_text("[1, 2]")
-    from sim.engine import run as simulate
+    from sim.runtime.engine import run as simulate
 
     exp = compose_exp("workload.num_prompts=1", "workload.max_new_tokens=16")
     good = d / "good_run"

@@ -1,4 +1,4 @@
-"""The pre-run check's shared config cache (testbed/compose_cache.py) composes exactly what Hydra
+"""The pre-run check's shared config cache (testbed/app/compose_cache.py) composes exactly what Hydra
 composes without it, for every job of the shipped sweeps."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from testbed import preflight
-from testbed.compose_cache import shared_config_cache
+from testbed.app import preflight
+from testbed.app.compose_cache import shared_config_cache
 from testbed.paths import CONF_DIR
 
 SWEEPS = sorted(p.stem for p in (CONF_DIR / "sweep").glob("*.yaml"))

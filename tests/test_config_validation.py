@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from testbed.preflight import PreflightError, preflight
+from testbed.app.preflight import PreflightError, preflight
 from tests.conftest import run_cli
 
 BAD = [

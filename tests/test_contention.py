@@ -1,5 +1,5 @@
 """Contention of async's two groups on a CPU: the profile's ``contended`` tables slow the
-simulator's async forwards (and only async's), and real/calibrate_contention.py measures them
+simulator's async forwards (and only async's), and real/calibrate/contention.py measures them
 with two pinned workers (tiny models)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sim.cost_profile import ProfileCost
+from sim.cost.profile import ProfileCost
 from testbed.config import real_dtype
 from tests.conftest import compose_exp
 from tests.processes import live_workers
@@ -47,7 +47,7 @@ def test_async_forwards_are_slowed_by_the_measured_factor_and_sync_ones_not() ->
 def test_sim_async_reports_the_contention_it_used(tmp_path: Path) -> None:
     import json
 
-    from sim.engine import run
+    from sim.runtime.engine import run
 
     path = tmp_path / "local.json"
     path.write_text(json.dumps(contended_profile()))
@@ -60,7 +60,7 @@ def test_sim_async_reports_the_contention_it_used(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2, reason="needs two cores")
 def test_contention_is_measured_with_two_pinned_workers(tmp_path: Path) -> None:
-    from real.calibrate_contention import ContentionGrid, measure_contention
+    from real.calibrate.contention import ContentionGrid, measure_contention
     from tests.tiny_checkpoint import write_tiny_checkpoint
 
     target = write_tiny_checkpoint(tmp_path / "t", seed=1, layers=2)
@@ -82,7 +82,7 @@ def test_async_prediction_replays_the_async_run_before_a_serial_tree(tmp_path: P
     """acceptance=trace for async: the recorded async run of the same shape, not a sync_tree one."""
     import json
 
-    from sim.oracle_trace import select_trace_runs
+    from sim.oracle.trace import select_trace_runs
     from tests.test_cost_profile_tp import BUDGET, WIDTH, write_tree_run
 
     write_tree_run(tmp_path / "tree", [[0] * 39 + [0]])
@@ -103,7 +103,7 @@ def test_async_depth_is_chosen_from_each_forward_alone(tmp_path: Path) -> None:
     them (one after the other): contention slows the run's forwards, not the choice of d."""
     import json
 
-    from sim.engine import run
+    from sim.runtime.engine import run
 
     runs = {}
     for name, prof in (("plain", profile_with_tp()), ("busy", contended_profile())):
@@ -127,7 +127,7 @@ def test_async_depth_counts_the_whole_expansion_the_draft_is_charged(tmp_path: P
     and the real backend times it (TreeDrafter.expand): an expansion overhead lowers d."""
     import json
 
-    from sim.engine import run
+    from sim.runtime.engine import run
 
     runs = {}
     for name, extra_s in (("bare", None), ("overhead", 0.004)):
@@ -153,7 +153,7 @@ def _runs_with_and_without_tree_rounds(tmp_path: Path, width: int, *overrides: s
     one that charges 2 ms select and 6 ms re-root at tree width ``width`` (midway in leaves)."""
     import json
 
-    from sim.engine import run
+    from sim.runtime.engine import run
 
     runs = {}
     for name in ("bare", "bookkeeping"):
@@ -171,7 +171,7 @@ def _runs_with_and_without_tree_rounds(tmp_path: Path, width: int, *overrides: s
 
 
 def test_async_charges_the_draft_its_select_and_reroot_every_round(tmp_path: Path) -> None:
-    """real/calibrate_tree.time_bookkeeping's table: each round the draft group is busy for
+    """real/calibrate/tree.time_bookkeeping's table: each round the draft group is busy for
     select + pack before it sends a subtree and for re-root + KV compaction after the verified
     tokens arrive (seconds interpolated by the tree width, as spans of their own), and the
     target, which waits for the next subtree, loses that time too. d is not changed by it."""
@@ -194,8 +194,8 @@ def test_a_profile_without_the_async_bookkeeping_table_is_measured_again(tmp_pat
     async predictions charge no select or re-root: the sweep's EnsureProfile re-measures it."""
     import json
 
-    from real.calibrate import SCHEMA
-    from real.ensure_profile import profile_is_current
+    from real.calibrate.ensure_profile import profile_is_current
+    from real.calibrate.profile import SCHEMA
 
     exp = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "backend=real")
     prof = profile_with_tp()
@@ -234,7 +234,7 @@ def test_async_depth_of_an_ngram_draft_times_the_real_probes_one_leaf_expansion(
     t_draft is the table's one-leaf expansion, not the four leaves the rounds then charge."""
     import json
 
-    from sim.engine import run
+    from sim.runtime.engine import run
 
     prof = profile_with_tp()
     prof["models"]["ngram3"] = {**prof["models"].get("ngram3", {}), "tree_expand": {

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from sim.cost_profile import ProfileCost
-from sim.profile_tables import CALIBRATE_CMD, SCHEMA, interp1
+from sim.cost.profile import ProfileCost
+from sim.cost.profile_tables import CALIBRATE_CMD, SCHEMA, interp1
 from testbed.config import ConfigError, validate
 from tests.conftest import compose_exp, run_cli
 
@@ -118,7 +118,7 @@ def test_cli_without_profile_exits_2_with_the_calibrate_command(tmp_path) -> Non
 
 
 def test_calibrate_flag_needs_backend_real() -> None:
-    from testbed.preflight import normalize_args
+    from testbed.app.preflight import normalize_args
 
     assert normalize_args(["backend=real", "+calibrate"]) == ["backend=real", "calibrate=true"]
     assert normalize_args(["+calibrate=false", "x=1"]) == ["calibrate=false", "x=1"]
@@ -127,7 +127,7 @@ def test_calibrate_flag_needs_backend_real() -> None:
 
 
 def test_calibration_smoothing_survives_one_outlier() -> None:
-    from real.calibrate_fit import isotonic, smooth_table, theil_sen
+    from real.calibrate.fit import isotonic, smooth_table, theil_sen
 
     a, b = theil_sen([64, 128, 256, 512, 1024], [1.064, 1.128, 9.0, 1.512, 2.024])
     assert a == pytest.approx(1.0, abs=1e-9) and b == pytest.approx(1e-3, abs=1e-9)
@@ -227,11 +227,11 @@ def test_forward_drift_scales_each_model_by_its_own_probe(tmp_path, monkeypatch)
 
 
 def test_the_forward_probe_times_each_function_interleaved() -> None:
-    """real/probe_forward.time_functions: the median per function, every function called in
+    """real/calibrate/probe_forward.time_functions: the median per function, every function called in
     each pass (a burst of load hits all alike)."""
     import time
 
-    from real.probe_forward import time_functions
+    from real.calibrate.probe_forward import time_functions
 
     calls: list[str] = []
 
@@ -247,9 +247,9 @@ def test_the_forward_probe_times_each_function_interleaved() -> None:
 
 
 def test_a_tree_expansion_is_charged_its_measured_overhead_beyond_the_forward(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """real/calibrate_tree.py's "tree_expand" table: the serial tree's draft phase grows by the
+    """real/calibrate/tree.py's "tree_expand" table: the serial tree's draft phase grows by the
     table's seconds once per expansion (interpolated by leaves), and not at all without it."""
-    from sim.engine import run
+    from sim.runtime.engine import run
 
     prof = make_profile()
     prof["models"]["smollm2_draft"] = {"kind": "transformer", "role": "draft", "layers": 3,
@@ -287,7 +287,7 @@ def test_validation_shows_the_standalone_prediction_beside_the_rescaled_one(tmp_
     """The trace run's rounds took 2x the profile's times: the standalone prediction (probe drift
     1.0) keeps the profile's speed, the rescaled one is half as fast — both in the report's frame."""
     import testbed.machine as machine
-    from sim.engine import run as simulate
+    from sim.runtime.engine import run as simulate
     from testbed.recorder import RequestRecord, RunRecorder, RunResult
     from testbed.report.sections_validate import rescaled_frame, validation_frame
     from testbed.results import find_runs, write_run
@@ -328,7 +328,7 @@ def test_an_ngram_tree_expansion_is_charged_whole_from_its_own_table(tmp_path) -
     """The n-gram draft's tree expansions (lookups, vocabulary-wide distributions, selection)
     were charged as the chain's lookup (~0.05 ms) where real async runs measured 0.2-0.9 ms:
     with a "tree_expand" table an expansion costs that table, and the lookup is not added."""
-    from real.calibrate_tree import add_ngram_tree_tables
+    from real.calibrate.tree import add_ngram_tree_tables
     from testbed.config import compose_experiment
 
     models = make_profile()["models"]

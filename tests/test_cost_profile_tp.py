@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sim.cost_profile import ProfileCost, tp_degrees
-from sim.engine import run as sim_run
+from sim.cost.profile import ProfileCost, tp_degrees
+from sim.runtime.engine import run as sim_run
 from testbed.config import ConfigError
 from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import write_run

@@ -1,4 +1,4 @@
-"""The CUDA-graph forward (real/cuda_graphs.py): its captured body is the model's chain forward.
+"""The CUDA-graph forward (real/model/cuda_graphs.py): its captured body is the model's chain forward.
 
 The body runs eagerly on the CPU here and must give the logits and the KV cache of
 ``Transformer.forward`` at the same slots; where a GPU is present, the replayed graph must too.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from real.cuda_graphs import GraphedForwards
-from real.model import Transformer
-from real.runners import chain_logits
+from real.model.cuda_graphs import GraphedForwards
+from real.model.decoder import Transformer
+from real.model.runners import chain_logits
 from tests.real_models import TINY
 
 

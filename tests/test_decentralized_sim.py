@@ -14,7 +14,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from sim.engine import baseline_experiment, make_requests, run, simulate
+from sim.runtime.engine import baseline_experiment, make_requests, run, simulate
 from sim.schedules.decentralized import closed_loop_speedup
 from testbed.config import ConfigError
 from testbed.results import build_summary

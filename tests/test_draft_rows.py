@@ -1,6 +1,6 @@
 """The draft's ranked rows: recorded by every tree drafter (testbed.spec.tree_drafter.DraftRowSample),
 written beside the run (draft_rows.json), and replayed by the simulator's trace trees
-(sim.tree_tokens.TraceTreeTokens) so that a replayed tree has the recorded draft's shape."""
+(sim.oracle.tree_tokens.TraceTreeTokens) so that a replayed tree has the recorded draft's shape."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sim.engine import run as sim_run
+from sim.runtime.engine import run as sim_run
 from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import write_run
 from testbed.spec.tree import DraftTree

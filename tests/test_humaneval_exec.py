@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from testbed.app.preflight import PreflightError, preflight
 from testbed.humaneval_exec import (
     Problem,
     pass_at_1,
@@ -18,7 +19,6 @@ from testbed.humaneval_exec import (
     run_problem,
     truncate_completion,
 )
-from testbed.preflight import PreflightError, preflight
 from testbed.workloads import load_prompts
 
 ADD = Problem("t/add", "def add(a, b):\n", "def check(f):\n    assert f(1, 2) == 3\n", "add")

@@ -1,4 +1,4 @@
-"""KV cache, tree masks, layer ranges and early exit of real.model.Transformer.
+"""KV cache, tree masks, layer ranges and early exit of real.model.decoder.Transformer.
 
 Each property runs on a tiny random model (fast) and on the bundled SmolLM2 (marked `model`).
 The reference is always a plain full-sequence forward from slot 0.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from real.model import Transformer
+from real.model.decoder import Transformer
 from tests.real_models import bundled, tiny
 
 # logits agree up to the summation order of GEMMs with different numbers of rows
@@ -163,7 +163,7 @@ def test_stage_cache_only_for_its_layers_and_bounds_are_checked() -> None:
 
 
 def test_greedy_generate_stops_at_eos_and_checks_the_cache_size() -> None:
-    from real.generate import greedy_generate
+    from real.model.generate import greedy_generate
 
     model = tiny()
     prompt = tokens(model, 5, seed=11)[0].tolist()

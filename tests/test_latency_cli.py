@@ -1,4 +1,4 @@
-"""The what-if calculator `python -m sim.latency`: JSON output, agreement with the roofline, errors."""
+"""The what-if calculator `python -m sim.cost.latency`: JSON output, agreement with the roofline, errors."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from sim import latency
+from sim.cost import latency
+from sim.cost.roofline_forward import forward_cost
 from sim.presets import load_hardware_preset, load_model_preset
-from sim.roofline import forward_cost
 from tests.conftest import run_cli
 
 ARGS = ["model=llama3_70b", "hardware=h800x8", "tp=4", "tokens=8", "context=512", "quant=int4_awq"]
@@ -73,10 +73,10 @@ def test_bad_input_exits_2_with_one_line(capsys: pytest.CaptureFixture[str], arg
 
 
 def test_module_entry_point() -> None:
-    ok = run_cli(*ARGS, "format=json", module="sim.latency", timeout=120)
+    ok = run_cli(*ARGS, "format=json", module="sim.cost.latency", timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "total_ms" in json.loads(ok.stdout.strip().splitlines()[-1])
-    bad = run_cli("model=llama3_70b", "hardware=h800x8", "tp=9", module="sim.latency", timeout=120)
+    bad = run_cli("model=llama3_70b", "hardware=h800x8", "tp=9", module="sim.cost.latency", timeout=120)
     assert bad.returncode == 2
     assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
 
@@ -84,4 +84,4 @@ def test_module_entry_point() -> None:
 def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert latency.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "python -m sim.latency model=" in out and "llama3_70b" in out and "h800x8" in out
+    assert "python -m sim.cost.latency model=" in out and "llama3_70b" in out and "h800x8" in out

@@ -39,8 +39,8 @@ def backend_imports(source: str) -> list[tuple[int, str]]:
 
 
 def test_the_import_finder_sees_lazy_and_from_imports() -> None:
-    src = "import os\ndef f():\n    from sim.engine import run\n    import real.weights as w\n"
-    assert backend_imports(src) == [(3, "sim.engine"), (4, "real.weights")]
+    src = "import os\ndef f():\n    from sim.runtime.engine import run\n    import real.model.weights as w\n"
+    assert backend_imports(src) == [(3, "sim.runtime.engine"), (4, "real.model.weights")]
     assert backend_imports("from simpy import Environment\nimport realtime\n") == []
 
 

@@ -8,8 +8,8 @@ import statistics
 import pytest
 import simpy
 
-from sim.links import Link, bandwidth_Bps
-from sim.topology import build_topology, split_layers
+from sim.runtime.links import Link, bandwidth_Bps
+from sim.runtime.topology import build_topology, split_layers
 from testbed.recorder import RunRecorder
 from tests.conftest import compose_exp
 

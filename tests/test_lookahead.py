@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from real.context import RealRequest
-from real.drafts import ModelDraft, NgramDraft
-from real.model import ModelArgs, Transformer
-from real.runners import prefill
+from real.model.decoder import ModelArgs, Transformer
+from real.model.drafts import ModelDraft, NgramDraft
+from real.model.runners import prefill
+from real.runtime.context import RealRequest
 from real.schedules.ar import serve_ar
 from real.schedules.sync import serve_sync
 from testbed.config import ConfigError
@@ -160,7 +160,7 @@ def test_a_varying_window_still_samples_the_target_distribution_at_temperature_1
 # ------------------------------------------------------------------------------ simulator
 @pytest.mark.parametrize("policy", POLICIES)
 def test_sim_every_policy_equals_ar_at_temperature_0(policy: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from sim.engine import run
+    from sim.runtime.engine import run
 
     extra = ["lookahead.threshold=0.2"] if policy == "confidence" else []
     exp = _policy_exp(policy, tmp_path, gamma=6)
@@ -178,7 +178,7 @@ def test_sim_every_policy_equals_ar_at_temperature_0(policy: str, tmp_path) -> N
 
 
 def test_trace_replays_recorded_features_and_verdicts() -> None:
-    from sim.oracle_trace import RequestTrace, TraceSequence
+    from sim.oracle.trace import RequestTrace, TraceSequence
 
     def feats(chosen: float) -> list[float]:
         return [chosen] + [0.0] * (FEATURES - 3) + [1.0, chosen]
@@ -200,14 +200,14 @@ def test_trace_replays_recorded_features_and_verdicts() -> None:
 
 # ------------------------------------------------------------------------------ errors
 def test_missing_or_mismatched_classifier_and_bad_options_fail_with_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(ConfigError, match="real.train_disco") as e:
+    with pytest.raises(ConfigError, match="real.train.disco") as e:
         compose_exp("lookahead=disco", f"lookahead.path={tmp_path}/none.json", "acceptance=synthetic")
     assert e.value.key == "lookahead.path"
     bad = tmp_path / "bad.json"
     d = json.loads(Path(position_classifier(tmp_path / "ok.json")).read_text())
     d["w1"] = d["w1"][0][:5]
     bad.write_text(json.dumps(d))
-    with pytest.raises(ConfigError, match="real.train_disco") as e:
+    with pytest.raises(ConfigError, match="real.train.disco") as e:
         compose_exp("lookahead=disco", f"lookahead.path={bad}", "acceptance=synthetic")
     assert e.value.key == "lookahead.path"
     for overrides, key in ((("lookahead.threshold=0.3",), "lookahead.threshold"),
@@ -220,7 +220,7 @@ def test_missing_or_mismatched_classifier_and_bad_options_fail_with_one_line(tmp
         assert e.value.key == key, overrides
     r = run_cli("lookahead=disco", f"lookahead.path={tmp_path}/none.json", "acceptance=synthetic",
                 f"hydra.run.dir={tmp_path}/run")
-    assert r.returncode == 2 and "lookahead.path" in r.stderr and "real.train_disco" in r.stderr
+    assert r.returncode == 2 and "lookahead.path" in r.stderr and "real.train.disco" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
     r = run_cli("lookahead.bogus=1", f"hydra.run.dir={tmp_path}/run2")
@@ -232,7 +232,7 @@ def test_missing_or_mismatched_classifier_and_bad_options_fail_with_one_line(tmp
 @pytest.mark.parametrize("draft", ["smollm2_draft", "ngram3"])
 def test_every_policy_equals_ar_on_the_bundled_model(draft: str) -> None:
     """The shipped DISCO weights included (models/disco/); one HumanEval prompt per policy."""
-    from real.engine import run
+    from real.runtime.engine import run
 
     common = ("backend=real", f"pair=smollm2_135m+{draft}", "workload.num_prompts=1",
               "workload.max_new_tokens=16", "real.progress=false", "real.ignore_eos=true", "schedule.gamma=4")

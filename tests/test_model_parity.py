@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from real.generate import greedy_generate
-from real.weights import build_model, load_checkpoint_dir
+from real.model.generate import greedy_generate
+from real.model.weights import build_model, load_checkpoint_dir
 from tests.real_models import bundled, hf_model
 
 PROMPTS = [

@@ -1,6 +1,6 @@
 """kernels.native (kernels/native.cpp): the packed GEMM and SwiGLU kernels against F.linear for
 every token count of a verification (1-16) and prefill lengths, odd sizes (not multiples of the
-vector width), and the fused decoder layers against the op-by-op reference path of real.model,
+vector width), and the fused decoder layers against the op-by-op reference path of real.model.decoder,
 including masks (trees), separate RoPE positions, a bf16 KV cache, layer ranges and weights
 changed in place (their packed copies must follow). No timings here (benchmarks/)."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import native
-from real.model import ModelArgs, Transformer
+from real.model.decoder import ModelArgs, Transformer
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason="native kernels not built (no C++ compiler?)")
 

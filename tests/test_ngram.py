@@ -35,7 +35,7 @@ def test_the_tree_source_grows_branches_from_the_counts() -> None:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sim_async_with_the_ngram_draft_emits_the_ar_output(seed: int) -> None:
-    from sim.engine import run
+    from sim.runtime.engine import run
 
     base = ("pair=smollm2_135m+ngram3", "acceptance=synthetic", "acceptance.vocab=8",
             "sampling.temperature=0", "workload.num_prompts=3", "workload.max_new_tokens=40",

@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from sim.engine import run as sim_run
-from sim.oracle_trace import RequestTrace, TraceSequence, select_trace_runs
+from sim.oracle.trace import RequestTrace, TraceSequence, select_trace_runs
+from sim.runtime.engine import run as sim_run
 from testbed.config import ConfigError
 from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import build_summary, write_run
@@ -166,7 +166,7 @@ def test_a_wan_prediction_replays_its_own_dsd_run_and_its_ar_baseline_too(tmp_pa
 def test_an_ar_baseline_of_a_feature_reading_policy_needs_no_features(tmp_path: Path) -> None:
     # a confidence or DISCO prediction's `ar` baseline keeps the policy setting but drafts
     # nothing: it must not demand per-token features (the validate DISCO prediction failed so)
-    from sim.oracle_trace import load_trace
+    from sim.oracle.trace import load_trace
     from testbed.config import ConfigError
 
     run = tmp_path / "run"

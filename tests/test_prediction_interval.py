@@ -1,4 +1,4 @@
-"""Prediction intervals of trace-replay predictions (sim/prediction_interval.py): a bootstrap
+"""Prediction intervals of trace-replay predictions (sim/runtime/prediction_interval.py): a bootstrap
 over the trace's prompts and rounds, around the point prediction, deterministic per seed."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sim.engine import run as sim_run
-from sim.oracle_trace import RequestTrace
-from sim.prediction_interval import resample_traces
+from sim.oracle.trace import RequestTrace
+from sim.runtime.engine import run as sim_run
+from sim.runtime.prediction_interval import resample_traces
 from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import write_run
 from tests.conftest import compose_exp
@@ -81,8 +81,8 @@ def test_resamples_on_every_core_give_the_sequential_interval_and_leave_no_proce
 
     import psutil
 
-    import sim.prediction_interval as pi
-    from testbed import worker_pool
+    import sim.runtime.prediction_interval as pi
+    from testbed.app import worker_pool
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: nothing to run in parallel")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from sim.cost.quant import bytes_per_weight
 from sim.presets import load_hardware_preset, load_model_preset, preset_names
-from sim.quant import bytes_per_weight
 from testbed.config import ConfigError, ExperimentConfig, PairConfig, validate
 
 # Published parameter counts (model cards); GPTBigCode's learned position table and biases are

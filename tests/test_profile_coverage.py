@@ -1,4 +1,4 @@
-"""Does the latency profile serve every job of a sweep? (real/ensure_profile.py, fabricated
+"""Does the latency profile serve every job of a sweep? (real/calibrate/ensure_profile.py, fabricated
 profiles, nothing measured): the pre-run check collects what each job will read — models, the TP
 degrees of its predictions, threads — and a profile that lacks any of it is measured again, or
 refused with one line when this process cannot measure it, before any job runs."""
@@ -14,17 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from real.calibrate import PROFILE_THREADS, SCHEMA, drafts_to_measure
-from real.ensure_profile import (
+from real.calibrate.ensure_profile import (
     ProfileNeeds,
     cannot_measure,
     covers,
     profile_is_current,
     profile_needs,
 )
+from real.calibrate.profile import PROFILE_THREADS, SCHEMA, drafts_to_measure
+from testbed.app.preflight import preflight
+from testbed.app.sweeps import checked_jobs
 from testbed.config import real_dtype
-from testbed.preflight import preflight
-from testbed.sweeps import checked_jobs
 from tests.conftest import ROOT, compose_exp
 from tests.test_cost_profile_tp import TABLES, profile_with_tp
 
@@ -145,7 +145,7 @@ def _start_sweep(args: list[str]):  # type: ignore[no-untyped-def]
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
-    from real.ensure_profile import EnsureProfile
+    from real.calibrate.ensure_profile import EnsureProfile
     from testbed.paths import CONF_DIR
 
     preflight(args)
@@ -161,7 +161,7 @@ def test_a_profile_short_of_the_jobs_is_measured_for_them_first(tmp_path: Path, 
     """On enough cores, the one-core profile is measured again before any job, for a pair the
     jobs run (not the base config's default pair, which no job of gpu_split runs) at their
     threads; if the new profile still lacks a table a job reads, one line and exit 2."""
-    import real.calibrate
+    import real.calibrate.profile
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     exp = compose_exp(PAIR, "hardware=local", "backend=real", "real.threads=1")
@@ -174,7 +174,7 @@ def test_a_profile_short_of_the_jobs_is_measured_for_them_first(tmp_path: Path, 
         prof.write_text(json.dumps(full_profile(e, tp=measures_tp)))
         return prof
 
-    monkeypatch.setattr(real.calibrate, "calibrate", fake_calibrate)
+    monkeypatch.setattr(real.calibrate.profile, "calibrate", fake_calibrate)
     args = ["+sweep=gpu_split", "hardware=local", f"sim.profile_path={prof}", f"hydra.sweep.dir={tmp_path / 's'}"]
     if measures_tp:
         _start_sweep(args)

@@ -1,4 +1,4 @@
-"""backend=real schedule=async (real/schedules/async_tree.py, real/async_run.py): two device
+"""backend=real schedule=async (real/schedules/async_tree.py, real/runtime/async_run.py): two device
 groups running SwiftSpec Algorithm 1 concurrently.
 
 Multi-process runs use tiny random checkpoints (tests/tiny_checkpoint.py); the sampling test and
@@ -17,12 +17,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from real.context import RealRequest
 from real.errors import RealSetupError, WorkerFailed
-from real.links import Kind, LoopbackTransport, Message
-from real.model import Transformer
+from real.model.decoder import Transformer
+from real.model.tree_tokens import LocalModel
+from real.runtime.context import RealRequest
+from real.runtime.links import Kind, LoopbackTransport, Message
 from real.schedules.async_tree import Peer, Side, draft_worker, target_worker, unpack_batch
-from real.tree_tokens import LocalModel
 from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams
 from tests import async_workers as aw
@@ -62,7 +62,7 @@ def _exp(target: Path, draft: Path, *extra: str):  # type: ignore[no-untyped-def
 # ----------------------------------------------------------------- two processes, T = 0
 @two_cores
 def test_async_on_two_processes_equals_ar_at_temperature_0(tiny_pair, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from real.engine import run
+    from real.runtime.engine import run
 
     exp = _exp(*tiny_pair)
     res = run(exp)
@@ -94,7 +94,7 @@ def test_async_on_two_processes_equals_ar_at_temperature_0(tiny_pair, tmp_path) 
 def test_async_repeats_alternate_whole_runs_with_ar_and_give_intervals(tiny_pair) -> None:  # type: ignore[no-untyped-def]
     """real.repeats=2 under async (processes launched per run): async, ar, async, ar; every pass
     lossless; the summary carries the intervals over both passes."""
-    from real.engine import run
+    from real.runtime.engine import run
 
     res = run(_exp(*tiny_pair, "real.repeats=2"))
     x = res.extra
@@ -113,7 +113,7 @@ def test_async_repeats_alternate_whole_runs_with_ar_and_give_intervals(tiny_pair
 @two_cores
 def test_async_with_the_ngram_draft_equals_ar_on_two_processes(tiny_pair) -> None:  # type: ignore[no-untyped-def]
     """The n-gram draft (no model) grows the tree in the draft group's process."""
-    from real.engine import run
+    from real.runtime.engine import run
 
     target, _ = tiny_pair
     res = run(compose_exp("backend=real", "pair=smollm2_135m+ngram3", f"pair.target.path={target}",
@@ -130,7 +130,7 @@ def test_async_with_the_ngram_draft_equals_ar_on_two_processes(tiny_pair) -> Non
 
 
 def test_async_with_a_draft_without_tree_is_a_one_line_error() -> None:
-    from real.async_run import check_draft
+    from real.runtime.async_run import check_draft
 
     exp = compose_exp("pair=smollm2_135m+smollm2_draft")
     exp.pair.draft.kind = "early_exit"  # validation refuses it too; the launcher checks again
@@ -142,7 +142,7 @@ def test_async_with_a_draft_without_tree_is_a_one_line_error() -> None:
 @two_cores
 @pytest.mark.parametrize("role", ["draft", pytest.param("target", marks=pytest.mark.slow)])
 def test_a_killed_worker_ends_the_async_run_within_30_s(tiny_pair, role: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from real.runtime import launch
+    from real.runtime.launch import launch
 
     exp = _exp(*tiny_pair, "real.recv_timeout_s=20")
     stamp = tmp_path / "killed"
@@ -160,7 +160,7 @@ def _threads_run(target: Transformer, draft: Transformer | None, params: Samplin
                  seed: int, ngram: int = 0) -> RunRecorder:
     """Both worker functions in this process, joined by a LoopbackTransport (one thread each);
     ``draft=None``: the n-gram draft (``ngram``) instead of a model."""
-    from real.async_run import ngram_source
+    from real.runtime.async_run import ngram_source
     ends = LoopbackTransport.connect("bridge", (0, 1), recv_timeout_s=30.0)
     rec = RunRecorder(keep_spans=False)
 
@@ -399,7 +399,7 @@ def _model(seed: int) -> Transformer:
 @pytest.mark.model
 @two_cores
 def test_bundled_pair_async_equals_ar_at_temperature_0() -> None:
-    from real.engine import run
+    from real.runtime.engine import run
 
     res = run(compose_exp("backend=real", "schedule=async", "workload.num_prompts=2",
                           "workload.max_new_tokens=24", "real.ignore_eos=true", "real.progress=false"))
@@ -413,7 +413,7 @@ def test_bundled_pair_async_equals_ar_at_temperature_0() -> None:
 @pytest.mark.slow  # (the default run has the bundled pair's async, and the n-gram draft's on a tiny model)
 @two_cores
 def test_bundled_target_with_the_ngram_draft_async_equals_ar_at_temperature_0() -> None:
-    from real.engine import run
+    from real.runtime.engine import run
 
     res = run(compose_exp("backend=real", "schedule=async", "pair=smollm2_135m+ngram3",
                           "workload.num_prompts=3", "workload.max_new_tokens=24",

@@ -8,10 +8,10 @@ import itertools
 import pytest
 import torch
 
-from real.context import RealContext, RealRequest
-from real.drafts import EarlyExitDraft, ModelDraft, NgramDraft
-from real.model import ModelArgs, Transformer
-from real.runners import TargetRunner
+from real.model.decoder import ModelArgs, Transformer
+from real.model.drafts import EarlyExitDraft, ModelDraft, NgramDraft
+from real.model.runners import TargetRunner
+from real.runtime.context import RealContext, RealRequest
 from real.schedules.ar import serve_ar
 from real.schedules.sync import serve_sync
 from testbed.recorder import RunRecorder
@@ -126,7 +126,7 @@ def test_ngram_lookup_proposes_the_continuation_of_the_latest_match() -> None:
 # held to `ar` by test_lookahead's static policy on the bundled pair
 @pytest.mark.parametrize("draft", ["ngram3", pytest.param("smollm2_exit10", marks=pytest.mark.slow)])
 def test_sync_equals_ar_on_the_bundled_model(draft: str) -> None:
-    from real.engine import run
+    from real.runtime.engine import run
 
     common = ("backend=real", f"pair=smollm2_135m+{draft}", "workload.num_prompts=2",
               "workload.max_new_tokens=24", "real.progress=false", "real.ignore_eos=true")
@@ -160,8 +160,8 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path) -> None:  # type: 
 
     from safetensors.torch import save_file
 
-    from real.tokenizer import Tokenizer
-    from real.weights import bundled_gguf_path, open_gguf
+    from real.model.tokenizer import Tokenizer
+    from real.model.weights import bundled_gguf_path, open_gguf
 
     # a tiny HF-format Llama checkpoint with a 97-token vocabulary
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,

@@ -1,4 +1,4 @@
-"""real/links.py over the in-process loopback transport: protocol, delays, timeouts, spans."""
+"""real/runtime/links.py over the in-process loopback transport: protocol, delays, timeouts, spans."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from real.links import (
+from real.runtime.links import (
     MAX_WAKEUP_S,
     Kind,
     LinkTimeout,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from real.engine import run
+from real.runtime.engine import run
 from tests.conftest import compose_exp
 from tests.processes import assert_promised_files, live_descendants, live_workers
 from tests.tiny_checkpoint import write_tiny_checkpoint

@@ -1,5 +1,5 @@
 """backend=real schedule=decentralized (DSD) and `ar` over a pipeline of stage processes
-(real/pipeline.py, real/pipeline_run.py, real/schedules/decentralized.py).
+(real/runtime/pipeline.py, real/runtime/pipeline_run.py, real/schedules/decentralized.py).
 
 Multi-process runs use tiny random checkpoints (tests/tiny_checkpoint.py); the sampling test
 drives the stage functions in this process (two threads joined by LoopbackTransports)."""
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from real.context import RealRequest
-from real.drafts import ModelDraft
 from real.errors import RealSetupError, WorkerFailed
-from real.links import Kind, LoopbackTransport, Message
-from real.model import Transformer
-from real.pipeline import Stage, pack_dists, stage_worker, stop, unpack_dists
+from real.model.decoder import Transformer
+from real.model.drafts import ModelDraft
+from real.runtime.context import RealRequest
+from real.runtime.links import Kind, LoopbackTransport, Message
+from real.runtime.pipeline import Stage, pack_dists, stage_worker, stop, unpack_dists
 from real.schedules.decentralized import (
     WindowVerifier,
     alpha_from_tokens,
@@ -56,7 +56,7 @@ def _exp(target: Path, draft: Path, *extra: str):  # type: ignore[no-untyped-def
 
 @pytest.fixture(scope="module")
 def single_process_ar(tiny_pair):  # type: ignore[no-untyped-def]
-    from real.engine import run
+    from real.runtime.engine import run
 
     res = run(_exp(*tiny_pair, "schedule=ar", "real.threads=1"))
     return [r["output_ids"] for r in res.recorder.requests]
@@ -66,7 +66,7 @@ def single_process_ar(tiny_pair):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("nodes", [2, pytest.param(3, marks=pytest.mark.slow), 4])
 def test_decentralized_equals_single_process_ar_at_temperature_0(tiny_pair, single_process_ar,  # type: ignore[no-untyped-def]
                                                                   nodes: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from real.engine import run
+    from real.runtime.engine import run
 
     exp = _exp(*tiny_pair, "schedule=decentralized", f"placement.nodes={nodes}", "schedule.gamma=3",
                "network=wan", "network.latency_ms=2", "network.jitter_ms=0.5")
@@ -93,7 +93,7 @@ def test_decentralized_equals_single_process_ar_at_temperature_0(tiny_pair, sing
 def test_decentralized_repeats_alternate_whole_runs_with_ar(tiny_pair, single_process_ar) -> None:  # type: ignore[no-untyped-def]
     """real.repeats=2 under DSD's pipeline (was silently ignored): two whole runs, each the
     schedule then ar over the pipeline, and intervals over both."""
-    from real.engine import run
+    from real.runtime.engine import run
 
     res = run(_exp(*tiny_pair, "schedule=decentralized", "placement.nodes=2", "schedule.gamma=3",
                    "real.repeats=2"))
@@ -106,7 +106,7 @@ def test_decentralized_repeats_alternate_whole_runs_with_ar(tiny_pair, single_pr
 
 @pytest.mark.slow
 def test_ar_over_the_pipeline_is_the_baseline_schedule(tiny_pair, single_process_ar) -> None:  # type: ignore[no-untyped-def]
-    from real.engine import run
+    from real.runtime.engine import run
 
     res = run(_exp(*tiny_pair, "schedule=ar", "placement.nodes=2"))
     assert [r["output_ids"] for r in res.recorder.requests] == single_process_ar
@@ -116,7 +116,7 @@ def test_ar_over_the_pipeline_is_the_baseline_schedule(tiny_pair, single_process
 
 @pytest.mark.slow
 def test_a_layer_count_other_than_the_preset_is_a_one_line_error(tiny_pair) -> None:  # type: ignore[no-untyped-def]
-    from real.engine import run
+    from real.runtime.engine import run
 
     exp = _exp(*tiny_pair, "schedule=decentralized", "placement.nodes=2")
     exp.pair.target.layers = 30
@@ -126,7 +126,7 @@ def test_a_layer_count_other_than_the_preset_is_a_one_line_error(tiny_pair) -> N
 
 
 def test_an_early_exit_draft_is_refused() -> None:
-    from real.pipeline_run import check
+    from real.runtime.pipeline_run import check
 
     exp = compose_exp("backend=real", "pair=smollm2_135m+smollm2_exit10", "schedule=decentralized")
     with pytest.raises(RealSetupError, match="early exit"):
@@ -136,7 +136,7 @@ def test_an_early_exit_draft_is_refused() -> None:
 # ------------------------------------------------------------------------------ faults
 @pytest.mark.parametrize("group", ["stage1", pytest.param("stage0", marks=pytest.mark.slow)])
 def test_a_killed_stage_ends_the_run_within_30_s(tiny_pair, group: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from real.runtime import launch
+    from real.runtime.launch import launch
 
     exp = _exp(*tiny_pair, "schedule=decentralized", "placement.nodes=3", "real.recv_timeout_s=20")
     stamp = tmp_path / "killed"
@@ -163,7 +163,7 @@ def test_top_k_draft_distributions_travel_exactly() -> None:
 
 def test_both_backends_charge_the_window_s_payload() -> None:
     """The bytes testbed.links says a window costs (the simulator's charge) are the payload of
-    the message real/pipeline.py sends."""
+    the message real/runtime/pipeline.py sends."""
     hidden, vocab, gamma, k = 96, 49152, 4, 64
     logits = torch.randn(gamma, vocab)
     q = standardize(logits, draft_params(SamplingParams(temperature=1.0), topk=k))
@@ -280,7 +280,7 @@ def test_divergence_against_a_lossless_reference() -> None:
 @pytest.mark.model
 @pytest.mark.slow
 def test_bundled_pair_decentralized_equals_ar_at_temperature_0() -> None:
-    from real.engine import run
+    from real.runtime.engine import run
 
     res = run(compose_exp("backend=real", "schedule=decentralized", "placement.nodes=3", "network=wan",
                           "network.latency_ms=5", "workload.num_prompts=2", "workload.max_new_tokens=24",

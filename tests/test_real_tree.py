@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from real.context import RealRequest
-from real.drafts import ModelDraft
-from real.model import Transformer
+from real.model.decoder import Transformer
+from real.model.drafts import ModelDraft
+from real.model.tree_tokens import DraftTreeTokens, LocalModel
+from real.runtime.context import RealRequest
 from real.schedules.ar import serve_ar
 from real.schedules.sync_tree import serve_sync_tree
-from real.tree_tokens import DraftTreeTokens, LocalModel
 from testbed.spec.sampling import SamplingParams
 from testbed.spec.tree_drafter import TreeDrafter
 from tests.conftest import compose_exp
@@ -152,7 +152,7 @@ def test_serial_tree_equals_ar_on_the_bundled_pair(tp: int) -> None:
     tree is `ar` token for token, in one process and tensor parallel over two."""
     import os
 
-    from real.engine import run
+    from real.runtime.engine import run
 
     if tp > len(os.sched_getaffinity(0)):
         pytest.skip(f"TP={tp} needs {tp} cores")

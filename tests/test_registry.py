@@ -37,7 +37,7 @@ def test_the_name_lists_of_the_settings_come_from_their_registries() -> None:
     """Every choice the validation allows is a registry's name: acceptance oracles and cost
     models (the simulator's), lookahead policies, model kinds (each one a real draft factory),
     backends; the conf groups offer exactly those."""
-    from real.loading import DRAFTS
+    from real.runtime.loading import DRAFTS
     from testbed import backends
     from testbed.config import MODEL_KINDS
     from testbed.paths import CONF_DIR

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from real.repeats import changed, serve_interleaved
+from real.runtime.repeats import changed, serve_interleaved
 from testbed.recorder import RunRecorder
 from testbed.repeats import interleaved_order, repeat_summary
 from tests.conftest import compose_exp
@@ -71,7 +71,7 @@ def test_repeat_summary_without_baseline_has_no_speedup() -> None:
 
 
 def test_real_run_with_repeats_writes_intervals(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from real.engine import run
+    from real.runtime.engine import run
 
     target = write_tiny_checkpoint(tmp_path / "target", seed=1, layers=2)
     draft = write_tiny_checkpoint(tmp_path / "draft", seed=2, layers=2, base=target, noise=0.3)

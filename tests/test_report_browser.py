@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.engine import run
+from sim.runtime.engine import run
 from testbed.report import build_report
 from testbed.results import write_run
 from tests.conftest import compose_exp

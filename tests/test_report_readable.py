@@ -52,7 +52,7 @@ def test_tree_validation_report_renders_and_says_why_files_are_missing(tmp_path:
 
 
 def _sim_runs(tmp: Path, *jobs: tuple[str, ...]) -> Path:
-    from sim.engine import run
+    from sim.runtime.engine import run
 
     small = ("workload.num_prompts=1", "workload.max_new_tokens=24")
     for i, overrides in enumerate(jobs):

@@ -17,16 +17,16 @@ import math
 
 import pytest
 
-from sim import roofline_calibration as calib
-from sim.cost import make_cost_model
-from sim.cost_roofline import NGRAM_FORWARD_S, RooflineCost
-from sim.presets import load_hardware_preset, load_model_preset
-from sim.roofline import (
+from sim.cost import roofline_calibration as calib
+from sim.cost.base import make_cost_model
+from sim.cost.roofline import NGRAM_FORWARD_S, RooflineCost
+from sim.cost.roofline_forward import (
     DEFAULT_CALIBRATION,
     early_exit_model,
     forward_cost,
     forward_ops,
 )
+from sim.presets import load_hardware_preset, load_model_preset
 from testbed.config import ExperimentConfig, ModelConfig, PairConfig, PlacementConfig, SimConfig
 
 H800 = load_hardware_preset("h800x8")

@@ -1,4 +1,4 @@
-"""sim.profile_drift=run_probe (sim/run_probe.py): a prediction takes its level from the probe
+"""sim.profile_drift=run_probe (sim/cost/run_probe.py): a prediction takes its level from the probe
 forward the measured run of the same experiment timed in its own processes before decoding."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from sim.cost_profile import ProfileCost
+from sim.cost.profile import ProfileCost
 from testbed.config import ConfigError, validate
 from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import write_run
@@ -110,11 +110,11 @@ def test_small_verification_sizes_take_their_own_probes_factor(tmp_path) -> None
 
 
 def test_a_run_probes_the_target_at_every_size_the_prediction_reads() -> None:
-    """real/probe_forward.target_probes on a tiny random model: RunProbe's summary has a reading
-    for every size sim/run_probe.py reads, under the field name it reads."""
-    from real.model import ModelArgs
-    from real.probe_forward import RunProbe, role_probes, target_probes
-    from sim.run_probe import FIELDS
+    """real/calibrate/probe_forward.target_probes on a tiny random model: RunProbe's summary has a reading
+    for every size sim/cost/run_probe.py reads, under the field name it reads."""
+    from real.calibrate.probe_forward import RunProbe, role_probes, target_probes
+    from real.model.decoder import ModelArgs
+    from sim.cost.run_probe import FIELDS
     from testbed.spec.sampling import SamplingParams
     from tests.real_models import TINY, tiny
 
@@ -125,7 +125,7 @@ def test_a_run_probes_the_target_at_every_size_the_prediction_reads() -> None:
     assert {FIELDS[p] for p in FIELDS if p.startswith("target")} == set(fields) - {"probe_points"}
     assert all(fields[f] > 0 for f in fields)
     # with an early-exit draft: its one step, and two back to back
-    from real.drafts import EarlyExitDraft
+    from real.model.drafts import EarlyExitDraft
 
     draft = EarlyExitDraft(model, exit_layer=2, params=SamplingParams())
     probe = RunProbe(role_probes(model, draft, SamplingParams()))
@@ -167,7 +167,7 @@ def test_the_ngram_draft_takes_the_targets_factor_and_a_missing_run_is_one_clear
 def test_the_predictions_ar_baseline_takes_its_drift(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The real run's `ar` baseline ran in its processes: the simulated baseline is scaled alike
     (it has no real run of its own to look up), by the one-token factor."""
-    from sim.engine import run
+    from sim.runtime.engine import run
 
     pair = "smollm2_135m+smollm2_exit10"
     plain_exp = _predict(tmp_path, pair)
@@ -184,9 +184,9 @@ def test_the_predictions_ar_baseline_takes_its_drift(tmp_path) -> None:  # type:
 
 
 def test_a_run_probe_reads_before_every_nth_request_and_trims_outliers() -> None:
-    """real/probe_forward.RunProbe: at most MAX_READINGS readings a run, spread over its
+    """real/calibrate/probe_forward.RunProbe: at most MAX_READINGS readings a run, spread over its
     requests; the summary field is the mean without the lowest and highest reading."""
-    from real.probe_forward import MAX_READINGS, RunProbe
+    from real.calibrate.probe_forward import MAX_READINGS, RunProbe
 
     calls: list[str] = []
     probe = RunProbe({"target": lambda: calls.append("t"), "draft": lambda: calls.append("d")},

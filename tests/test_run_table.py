@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from testbed.app import print_summary
+from testbed.app.main import print_summary
 
 BASE = {"backend": "sim", "schedule": "sync", "pair": "p", "hardware": "h800x8", "target_gpus": 8,
         "draft_gpus": 8, "gamma": 4, "tokens_per_s": 100.0, "tpot_ms": 10.0, "speedup": 2.0,

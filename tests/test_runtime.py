@@ -1,4 +1,4 @@
-"""real/runtime.py: spawned workers on torch.distributed (gloo), emulated links, faults.
+"""real/runtime/launch.py: spawned workers on torch.distributed (gloo), emulated links, faults.
 
 No model: tiny worker functions (tests/runtime_workers.py). Every test asserts that no worker
 process is left behind.
@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from real.errors import WorkerFailed
-from real.runtime import launch, merge_records
+from real.runtime.launch import launch, merge_records
 from testbed.config import ExperimentConfig
 from testbed.links import LinkDelays
 from testbed.placement import make_placement
@@ -90,8 +90,8 @@ def test_a_raising_worker_ends_the_run_with_one_line() -> None:
 
 CLI = """
 import sys
-import testbed.app as app
-from real.runtime import launch
+import testbed.app.main as app
+from real.runtime.launch import launch
 from testbed.config import register_configs
 from tests.runtime_workers import fail
 # the CLI's error path with a run whose draft worker is SIGKILLed mid-run
@@ -155,7 +155,7 @@ def test_torchrun_uses_its_ranks_and_gathers_on_rank_0(tmp_path: Path) -> None:
 TORCHRUN = """
 import os
 from tests.conftest import compose_exp
-from real.runtime import launch, is_writer
+from real.runtime.launch import launch, is_writer
 from tests.runtime_workers import ping_pong
 exp = compose_exp("schedule=async", "hardware=local", "placement.target_gpus=1", "placement.draft_gpus=1")
 exp.backend = "real"
@@ -168,7 +168,7 @@ print(f"rank {os.environ['RANK']} writer={is_writer()} results={[r.rank for r in
 LAUNCHER = """
 import sys
 from tests.conftest import compose_exp
-from real.runtime import launch
+from real.runtime.launch import launch
 from tests.runtime_workers import sleep_forever
 if __name__ == "__main__":
     exp = compose_exp("hardware=local", "placement.target_gpus=2", "placement.draft_gpus=2")
@@ -208,7 +208,7 @@ def test_ctrl_c_in_the_launcher_ends_every_worker(tmp_path: Path) -> None:
 
 BARS = """
 from tests.conftest import compose_exp
-from real.runtime import launch
+from real.runtime.launch import launch
 from tests.runtime_workers import progress_bar
 if __name__ == "__main__":
     exp = compose_exp("hardware=local", "placement.target_gpus=2", "placement.draft_gpus=2")

@@ -1,4 +1,4 @@
-"""Sampling cost per mode: calibrated by real/calibrate_sampling.py, charged by the `profile`
+"""Sampling cost per mode: calibrated by real/calibrate/sampling.py, charged by the `profile`
 cost model per drafted token and per verified distribution."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from real.calibrate_sampling import measure_sampling
-from sim.cost_profile import ProfileCost
+from real.calibrate.sampling import measure_sampling
+from sim.cost.profile import ProfileCost
 from testbed.spec.sampling import SAMPLING_MODES, SamplingParams, sampling_mode
 from tests.conftest import compose_exp
 from tests.test_cost_profile import make_profile
@@ -70,7 +70,7 @@ def test_greedy_and_old_profiles_charge_nothing_extra() -> None:
 
 
 def test_a_top_p_run_is_predicted_slower_by_the_calibrated_amount(tmp_path: Path) -> None:
-    from sim.engine import make_requests, simulate
+    from sim.runtime.engine import make_requests, simulate
 
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile_with_sampling()))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sim.engine import run
+from sim.runtime.engine import run
 from testbed.results import build_summary
 from tests.conftest import compose_exp
 

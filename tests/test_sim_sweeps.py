@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from sim.engine import run
+from sim.runtime.engine import run
+from testbed.app.preflight import command_pairs
 from testbed.config import register_configs, validate
-from testbed.preflight import command_pairs
 from testbed.report import build_report
 from testbed.results import write_run
 from tests.conftest import CONF, compose_exp, run_cli

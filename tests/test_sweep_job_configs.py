@@ -1,4 +1,4 @@
-"""testbed.sweep_configs.GroupCachedConfigLoader: a sweep job's configuration, composed once per
+"""testbed.app.sweep_configs.GroupCachedConfigLoader: a sweep job's configuration, composed once per
 set of group choices, must be exactly what Hydra composes for that job."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from hydra_plugins.specbed_sweeper.grids_sweeper import GridsSweeper
+from testbed.app.preflight import command_pairs
+from testbed.app.sweep_configs import GroupCachedConfigLoader
 from testbed.config import register_configs
-from testbed.preflight import command_pairs
-from testbed.sweep_configs import GroupCachedConfigLoader
 from tests.conftest import CONF
 
 

@@ -90,7 +90,7 @@ def test_changed_experiment_is_rerun(tmp_path: Path) -> None:
 def test_failing_job_is_reported_and_others_kept(tmp_path: Path) -> None:
     trace = tmp_path / "trace_run"
     exp = compose_exp("workload.num_prompts=1", "workload.max_new_tokens=16")
-    from sim.engine import run
+    from sim.runtime.engine import run
 
     write_run(trace, exp, run(exp))
     bad = tmp_path / "bad_trace"
@@ -112,7 +112,7 @@ def test_failing_job_is_reported_and_others_kept(tmp_path: Path) -> None:
 HOLDER = """
 import sys
 from pathlib import Path
-import testbed.host_lock as h
+import testbed.app.host_lock as h
 h.REAL_LOCK = Path(sys.argv[1]); h.STATE = h.REAL_LOCK.with_suffix(".json")
 assert h.try_enter(sys.argv[2])
 print("in", flush=True)
@@ -133,8 +133,8 @@ def test_real_runs_take_turns_on_one_host(tmp_path: Path, monkeypatch) -> None: 
     a holder that died no longer holds it."""
     import threading
 
-    from testbed import host_lock
-    from testbed.sweeps import real_run_lock
+    from testbed.app import host_lock
+    from testbed.app.sweeps import real_run_lock
 
     monkeypatch.setattr(host_lock, "REAL_LOCK", tmp_path / "real.lock")
     monkeypatch.setattr(host_lock, "STATE", tmp_path / "real.json")
@@ -164,7 +164,7 @@ def test_real_runs_take_turns_on_one_host(tmp_path: Path, monkeypatch) -> None: 
 def test_ranks_of_one_torchrun_job_share_the_host_lock(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Every rank of a torchrun job runs the app and takes the lock: the ranks of one job enter
     together (else they wait on each other until the rendezvous times out), another job waits."""
-    from testbed import host_lock
+    from testbed.app import host_lock
 
     monkeypatch.setattr(host_lock, "REAL_LOCK", tmp_path / "real.lock")
     monkeypatch.setattr(host_lock, "STATE", tmp_path / "real.json")
@@ -191,7 +191,7 @@ def test_ranks_of_one_torchrun_job_share_the_host_lock(tmp_path: Path, monkeypat
 
 def _finish_jobs(sweep: str, names: list[str], barrier: object, err_path: str) -> None:
     """In a child process: mark jobs done at the same moment as the others, then announce."""
-    from testbed import sweeps
+    from testbed.app import sweeps
 
     sys.stderr = open(err_path, "a")  # noqa: SIM115  (the child's stderr until it exits)
     for name in names:
@@ -205,7 +205,7 @@ def test_progress_lines_from_parallel_workers_only_count_up(tmp_path: Path) -> N
     increase and end at the total, not the same count twice or two lines run together."""
     import multiprocessing as mp
 
-    from testbed import sweeps
+    from testbed.app import sweeps
 
     sweep, workers, per_worker = tmp_path / "sweep", 4, 6
     sweep.mkdir()

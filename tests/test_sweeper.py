@@ -104,7 +104,7 @@ def test_validate_sweep_has_the_async_grid() -> None:
 def test_validate_covers_every_family_at_a_default_size_that_fits_90_minutes() -> None:
     """Chain, serial tree, DSD, async and the lookahead policies in one default sweep of 168
     jobs (~1 hour measured); each dynamic policy's cap is a static γ of the chain grid, whose
-    trace its prediction replays (sim/oracle_trace.py prefers static recordings)."""
+    trace its prediction replays (sim/oracle/trace.py prefers static recordings)."""
     from tests.conftest import compose_exp
 
     sw = OmegaConf.load(CONF / "sweep" / "validate.yaml").hydra.sweeper

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import simpy
 
-from sim.links import Link
+from sim.runtime.links import Link
 from testbed.links import (
     HEADER_BYTES,
     LinkDelays,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.engine import run
+from sim.runtime.engine import run
 from testbed.results import build_summary
 from testbed.theory import expected_tokens, leviathan_speedup
 from tests.conftest import compose_exp

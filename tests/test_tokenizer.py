@@ -1,11 +1,11 @@
-"""real.tokenizer: built from the bundled GGUF's metadata, checked against transformers' own
+"""real.model.tokenizer: built from the bundled GGUF's metadata, checked against transformers' own
 GGUF tokenizer conversion and chat-template rendering."""
 
 from __future__ import annotations
 
 import pytest
 
-from real.tokenizer import CHATML, Tokenizer, render_chat_template
+from real.model.tokenizer import CHATML, Tokenizer, render_chat_template
 from tests.real_models import bundled, hf_tokenizer
 
 TEXTS = [
@@ -87,9 +87,9 @@ def test_a_gguf_tokenizer_is_cached_as_json_and_rebuilt_when_the_file_changes(tm
     import os
     import shutil
 
-    import real.paths
-    import real.tokenizer as rt
-    from real.paths import bundled_gguf_path
+    import real.model.paths
+    import real.model.tokenizer as rt
+    from real.model.paths import bundled_gguf_path
 
     gguf = tmp_path / "model.gguf"
     shutil.copyfile(bundled_gguf_path(), gguf)
@@ -99,8 +99,8 @@ def test_a_gguf_tokenizer_is_cached_as_json_and_rebuilt_when_the_file_changes(tm
     assert cache.is_file()
 
     opened = []
-    real_open = real.paths.open_gguf
-    monkeypatch.setattr(real.paths, "open_gguf", lambda p: opened.append(p) or real_open(p))
+    real_open = real.model.paths.open_gguf
+    monkeypatch.setattr(real.model.paths, "open_gguf", lambda p: opened.append(p) or real_open(p))
     again = Tokenizer.from_gguf(gguf)
     assert opened == []  # from the cache
     for text in TEXTS:
@@ -119,7 +119,7 @@ def test_a_gguf_tokenizer_is_cached_as_json_and_rebuilt_when_the_file_changes(tm
 def test_the_cache_key_follows_path_size_and_mtime(tmp_path) -> None:
     import os
 
-    from real.tokenizer import _cache_file
+    from real.model.tokenizer import _cache_file
 
     f = tmp_path / "a.gguf"
     f.write_bytes(b"x")

@@ -1,4 +1,4 @@
-"""Tensor parallelism (real/tp.py, kernels/allreduce.py): TP=2 in two spawned processes gives the
+"""Tensor parallelism (real/model/tp.py, kernels/allreduce.py): TP=2 in two spawned processes gives the
 logits of TP=1, for every all-reduce backend and through both the op-by-op and the fused native
 paths; the uneven head split; shared-memory all-reduce timeouts name the missing peer."""
 
@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 
 import kernels
 from kernels import native
-from real.model import ModelArgs, Transformer
-from real.tp import even_split, plan_shards
+from real.model.decoder import ModelArgs, Transformer
+from real.model.tp import even_split, plan_shards
 
 # 9 query heads / 3 KV heads: at TP=2 rank 0 holds 2 KV groups, rank 1 one; FFN 100 -> 50 + 50
 TINY_TP = ModelArgs(dim=72, n_layers=3, n_heads=9, n_kv_heads=3, ffn_dim=100, vocab_size=97,
@@ -101,7 +101,7 @@ def _scenarios(model: Transformer) -> dict[str, torch.Tensor]:
 
 
 def _reference_and_sharded(rank: int, world: int, out: Path, backend: str) -> None:
-    from real.tp import apply_tp
+    from real.model.tp import apply_tp
 
     fused = []  # decode_layers calls that ran the native kernel (did not step aside)
     default_fused = kernels.get("decode_layers")
@@ -141,7 +141,7 @@ def test_tp2_equals_tp1(tmp_path: Path, backend: str) -> None:
 
 def test_fused_path_steps_aside_without_allreduce() -> None:
     # a sharded model whose all-reduce the kernel cannot call: the op-by-op path must take over
-    from real.tp import _shard_attention, _shard_ffn
+    from real.model.tp import _shard_attention, _shard_ffn
 
     model = _tiny()
     shard = plan_shards(model.args, 2)[1]
@@ -209,7 +209,7 @@ def test_shm_allreduce_times_out_naming_the_peer(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------- the bundled model
 def _bundled_sharded(rank: int, world: int, out: Path) -> None:
-    from real.tp import apply_tp
+    from real.model.tp import apply_tp
     from tests.real_models import bundled
 
     model, tok = bundled()

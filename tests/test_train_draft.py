@@ -9,8 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from real.eval_draft import sync_accepted_lengths
-from real.train_draft import (
+from real.train.draft import (
     draft_args,
     draft_logits,
     export_hf,
@@ -18,6 +17,7 @@ from real.train_draft import (
     reference_kernels,
     train,
 )
+from real.train.eval_draft import sync_accepted_lengths
 from testbed.paths import repo_path
 from testbed.spec.sampling import SamplingParams, standardize
 from testbed.spec.speculative import speculative_step
@@ -30,8 +30,8 @@ TINY_ARCH = dict(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=96, vocab_
 
 @pytest.mark.model
 def test_shipped_checkpoint_loads_with_target_vocab_and_fits_size_budget() -> None:
-    from real.tokenizer import load_bundled_tokenizer
-    from real.weights import load_model
+    from real.model.tokenizer import load_bundled_tokenizer
+    from real.model.weights import load_model
 
     size = sum(f.stat().st_size for f in SHIPPED.iterdir() if f.is_file())
     assert size <= 30 * 2**20, f"{size / 2**20:.1f} MiB"
@@ -53,7 +53,7 @@ def test_shipped_checkpoint_loads_with_target_vocab_and_fits_size_budget() -> No
 
 @pytest.mark.model
 def test_export_matches_training_module_in_our_loader_and_transformers(tmp_path: Path) -> None:
-    from real.weights import load_model
+    from real.model.weights import load_model
 
     torch.manual_seed(0)
     model = init_draft(draft_args(TINY_ARCH), None, seed=3)
@@ -88,8 +88,8 @@ def _tiny_cfg(tmp: Path, work: str, stop_after: int | None = None):
 def _fake_teacher_shards(cfg) -> None:
     """Random teacher data under the shard names of the tiny config's jobs, so the test needs
     no target forward (the data phase finds every shard and skips the teacher)."""
-    from real.draft_data import data_jobs, shard_name
-    from real.tokenizer import load_bundled_tokenizer
+    from real.model.tokenizer import load_bundled_tokenizer
+    from real.train.draft_data import data_jobs, shard_name
 
     gen, k = torch.Generator().manual_seed(0), cfg.data.topk
     data_dir = Path(cfg.data_dir)

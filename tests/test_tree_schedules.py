@@ -2,7 +2,7 @@
 
 - At temperature 0 on the synthetic oracle both emit exactly what greedy `ar` emits (several
   seeds and tree shapes): they never emit a token the target would not have emitted.
-- The i.i.d. rank model (sim.tree_tokens) reduces to Leviathan's model on a chain and accepts a
+- The i.i.d. rank model (sim.oracle.tree_tokens) reduces to Leviathan's model on a chain and accepts a
   node verified with m candidates with probability 1 − (1−α)^m.
 - Under the roofline with a draft much faster than the target, `async` beats `sync_tree` on the
   same pair and node, and its timeline shows the draft working while the target verifies.
@@ -16,8 +16,8 @@ import random
 
 import pytest
 
-from sim.engine import run
-from sim.tree_tokens import IidTreeTokens
+from sim.oracle.tree_tokens import IidTreeTokens
+from sim.runtime.engine import run
 from testbed.results import build_summary
 from testbed.spec.tree import DraftTree
 from testbed.theory import expected_tokens, leviathan_speedup

@@ -1,4 +1,4 @@
-"""real.weights: clear errors for missing weights, GGUF conventions (Q/K permutation)."""
+"""real.model.weights: clear errors for missing weights, GGUF conventions (Q/K permutation)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import importlib.util
 import numpy as np
 import pytest
 
-from real import weights
 from real.errors import WeightsNotFound
-from real.weights import _unpermute_rows, bundled_gguf_path, load_checkpoint_dir, load_model
+from real.model import weights
+from real.model.weights import _unpermute_rows, bundled_gguf_path, load_checkpoint_dir, load_model
 
 
 def test_missing_gguf_file_names_path_and_fix(tmp_path) -> None:

@@ -12,7 +12,7 @@ pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
 
 from hydra_plugins.hydra_joblib_launcher.config import JobLibLauncherConf  # noqa: E402
 
-from testbed import worker_pool  # noqa: E402
+from testbed.app import worker_pool  # noqa: E402
 
 
 def _pid() -> int:
@@ -22,7 +22,7 @@ def _pid() -> int:
 def _preloaded() -> bool:
     import sys
 
-    return all(m in sys.modules for m in ("sim.engine", "sim.schedules.async_tree", "torch", "seaborn"))
+    return all(m in sys.modules for m in ("sim.runtime.engine", "sim.schedules.async_tree", "torch", "seaborn"))
 
 
 def _origin() -> tuple[int, int, int, int]:
@@ -95,7 +95,7 @@ WAIT_IMPORTS = """
 import sys
 from omegaconf import OmegaConf
 from hydra_plugins.hydra_joblib_launcher.config import JobLibLauncherConf
-from testbed import worker_pool
+from testbed.app import worker_pool
 launcher = OmegaConf.structured(JobLibLauncherConf)
 launcher.n_jobs = 2
 before = {m for m in ("matplotlib", "testbed.report.sections", "testbed.report.sections_sim") if m in sys.modules}
@@ -177,12 +177,12 @@ def test_a_joblib_sweep_gives_the_basic_launchers_results_and_leaves_no_process(
 
 
 def test_a_worker_loads_the_shared_job_state_once_per_launch(tmp_path, monkeypatch) -> None:
-    """testbed.joblib_jobs: jobs carry only the path of the launch's shared state; a worker
+    """testbed.app.joblib_jobs: jobs carry only the path of the launch's shared state; a worker
     unpickles it and restores Hydra's singletons at its first job of that launch only."""
     import cloudpickle
     from hydra.core.singleton import Singleton
 
-    from testbed import joblib_jobs
+    from testbed.app import joblib_jobs
 
     restored = []
     monkeypatch.setattr(Singleton, "set_state", staticmethod(restored.append))
@@ -203,7 +203,7 @@ def test_only_the_joblib_launcher_is_given_the_shared_state_launch() -> None:
     from hydra._internal.core_plugins.basic_launcher import BasicLauncher
     from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
 
-    from testbed.joblib_jobs import SharedStateJoblibLauncher, with_shared_state
+    from testbed.app.joblib_jobs import SharedStateJoblibLauncher, with_shared_state
 
     basic = BasicLauncher()
     assert with_shared_state(basic) is basic

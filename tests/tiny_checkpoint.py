@@ -20,8 +20,8 @@ HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
 
 @functools.cache
 def _tokenizer_json() -> str:
-    from real.tokenizer import Tokenizer
-    from real.weights import bundled_gguf_path, open_gguf
+    from real.model.tokenizer import Tokenizer
+    from real.model.weights import bundled_gguf_path, open_gguf
 
     return Tokenizer.from_gguf(open_gguf(bundled_gguf_path())).backend.to_str()
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from real.context import RealContext, RealRequest, finish
-from real.drafts import NgramDraft
-from real.generate import greedy_generate
+from real.model.drafts import NgramDraft
+from real.model.generate import greedy_generate
+from real.runtime.context import RealContext, RealRequest, finish
 from real.schedules import register
 from testbed.recorder import RequestRecord
 from testbed.spec.lookahead import OracleLookahead, lookahead_for

@@ -1,7 +1,7 @@
 """`decentralized`: DSD (seed 003) — a draft window verified per pipeline round trip.
 
 The target is a pipeline of ``placement.nodes`` stages on as many nodes, joined by the links of
-``network=`` (sim.pipeline, sim.topology); the draft runs on the first node. One round:
+``network=`` (sim.runtime.pipeline, sim.runtime.topology); the draft runs on the first node. One round:
 
 1. the draft proposes γ tokens on node 0 (γ forwards, as in `sync`);
 2. the γ+1 tokens go through the pipeline: stage i computes its layers and sends
@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from sim.context import SimContext, SimRequest
-from sim.oracle import ChainOutcome, SequenceOracle, SyntheticSequence
-from sim.pipeline import Pipeline
+from sim.oracle.base import ChainOutcome, SequenceOracle, SyntheticSequence
+from sim.runtime.context import SimContext, SimRequest
+from sim.runtime.pipeline import Pipeline
 from sim.schedules import register
 from testbed.links import draft_dists_bytes
 from testbed.recorder import RequestRecord

@@ -102,7 +102,7 @@ def build_report(paths: Iterable[Path | str], out_dir: Path | str, figures: bool
     """Write report.md, report.html and figures into out_dir; return the report.md path.
     ``workers`` > 1 draws the sections' figures in that many processes (a sweep's report: most
     of its time is matplotlib laying out text, one section at a time); ``pool(n)`` gives joblib's
-    ``Parallel`` arguments for them (a sweep passes its warm workers: testbed.worker_pool), else
+    ``Parallel`` arguments for them (a sweep passes its warm workers: testbed.app.worker_pool), else
     ``n`` fresh loky workers.
 
     Everything is written into a temporary directory beside the output first and moved in only
@@ -168,7 +168,7 @@ def _render_section(fn: Section, ctx: ReportContext) -> str:
 
 
 def _failed_jobs(paths: list[Path | str]) -> list[dict[str, str]]:
-    from testbed.sweeps import FAILED, failures
+    from testbed.app.sweeps import FAILED, failures
 
     out = []
     for p in map(Path, paths):

@@ -36,7 +36,7 @@ _MIN_TARGET_ENTROPY = 1e-6
 def draft_params(params: SamplingParams, topk: int) -> SamplingParams:
     """The DSD draft's sampling: the run's, cut to its top ``topk`` at temperature > 0, so its
     distributions travel as top-k exactly (real/schedules/decentralized.py) and the simulator
-    charges the same sampling mode (sim/cost_profile.py)."""
+    charges the same sampling mode (sim/cost/profile.py)."""
     if params.greedy or topk <= 0:
         return params
     k = min(params.top_k, topk) if params.top_k > 0 else topk
