@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose_exp(overrides: list[str]):  # -> testbed.config.ExperimentConfig
-    from testbed.config import compose_experiment
+    from testbed.compose import compose_experiment
 
     return compose_experiment(overrides)
 

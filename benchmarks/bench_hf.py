@@ -50,7 +50,7 @@ DRAFT_DIR = ROOT / "models" / "smollm2-draft"
 # ------------------------------------------------------------------------------ setup
 def compose_exp(overrides: list[str]):  # -> testbed.config.ExperimentConfig
     """The experiment exactly as ``python -m testbed OVERRIDES`` would compose it."""
-    from testbed.config import compose_experiment
+    from testbed.compose import compose_experiment
 
     return compose_experiment(overrides)
 

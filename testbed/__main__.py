@@ -51,7 +51,7 @@ def main() -> None:
         if jobs < MAX_JOBS_CHECKED:  # the sweeper need not compose every job again
             os.environ["SPECBED_SWEEP_CHECKED"] = "1"
     else:
-        from testbed.config import register_configs
+        from testbed.compose import register_configs
 
         register_configs(command_pairs(args))
     from testbed.app.main import main as app_main

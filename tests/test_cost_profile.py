@@ -9,7 +9,8 @@ import pytest
 
 from sim.cost.profile import ProfileCost
 from sim.cost.profile_tables import CALIBRATE_CMD, SCHEMA, interp1
-from testbed.config import ConfigError, validate
+from testbed.config import ConfigError
+from testbed.config_validate import validate
 from tests.conftest import compose_exp, run_cli
 
 K = [1, 2, 4, 8]
@@ -329,7 +330,7 @@ def test_an_ngram_tree_expansion_is_charged_whole_from_its_own_table(tmp_path) -
     were charged as the chain's lookup (~0.05 ms) where real async runs measured 0.2-0.9 ms:
     with a "tree_expand" table an expansion costs that table, and the lookup is not added."""
     from real.calibrate.tree import add_ngram_tree_tables
-    from testbed.config import compose_experiment
+    from testbed.compose import compose_experiment
 
     models = make_profile()["models"]
     draft = compose_experiment(["pair=smollm2_135m+ngram3"]).pair.draft

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from hydra_plugins.specbed_sweeper.grids_sweeper import GridsSweeper
 from testbed.app.preflight import command_pairs
-from testbed.config import register_configs
+from testbed.compose import register_configs
 from testbed.report import build_report
 from testbed.report.sections_split import split_pairs
 from testbed.report.sections_validate import validation_frame

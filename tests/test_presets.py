@@ -6,7 +6,8 @@ import pytest
 
 from sim.cost.quant import bytes_per_weight
 from sim.presets import load_hardware_preset, load_model_preset, preset_names
-from testbed.config import ConfigError, ExperimentConfig, PairConfig, validate
+from testbed.config import ConfigError, ExperimentConfig, PairConfig
+from testbed.config_validate import validate
 
 # Published parameter counts (model cards); GPTBigCode's learned position table and biases are
 # not in ModelConfig.params, hence the 5% tolerance.

@@ -9,7 +9,8 @@ import math
 import pytest
 
 from sim.cost.profile import ProfileCost
-from testbed.config import ConfigError, validate
+from testbed.config import ConfigError
+from testbed.config_validate import validate
 from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import write_run
 from tests.conftest import compose_exp

@@ -92,7 +92,7 @@ CLI = """
 import sys
 import testbed.app.main as app
 from real.runtime.launch import launch
-from testbed.config import register_configs
+from testbed.compose import register_configs
 from tests.runtime_workers import fail
 # the CLI's error path with a run whose draft worker is SIGKILLed mid-run
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ from omegaconf import OmegaConf
 
 from testbed.app.cli_help import GROUP_NOTES, HIDDEN_GROUPS, help_text
 from testbed.app.preflight import schema_types
-from testbed.config import ConfigError, as_dict, to_experiment
-from testbed.config_docs import renamed_setting, setting_docs
+from testbed.compose import to_experiment
+from testbed.config import ConfigError, as_dict, setting_docs
+from testbed.config_docs import renamed_setting
 from testbed.paths import CONF_DIR
 from testbed.placement import make_placement
 from tests.conftest import compose_exp
@@ -48,7 +49,7 @@ def test_every_group_help_lists_has_a_description() -> None:
 def test_a_validation_error_says_what_the_setting_means() -> None:
     exp = compose_exp("schedule=decentralized", "network=wan")
     exp.network.latency_ms = -1.0
-    from testbed.config import validate
+    from testbed.config_validate import validate
 
     with pytest.raises(ConfigError, match=r"network.latency_ms: one-way latency of a link between nodes \[ms\]"):
         validate(exp)

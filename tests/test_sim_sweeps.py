@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_dir
 
 from sim.runtime.engine import run
 from testbed.app.preflight import command_pairs
-from testbed.config import register_configs, validate
+from testbed.compose import register_configs
+from testbed.config_validate import validate
 from testbed.report import build_report
 from testbed.results import write_run
 from tests.conftest import CONF, compose_exp, run_cli

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from hydra_plugins.specbed_sweeper.grids_sweeper import GridsSweeper
 from testbed.app.preflight import command_pairs
 from testbed.app.sweep_configs import GroupCachedConfigLoader
-from testbed.config import register_configs
+from testbed.compose import register_configs
 from tests.conftest import CONF
 
 

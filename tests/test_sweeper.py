@@ -59,7 +59,7 @@ def test_up_front_check_composes_once_per_group_choice_and_still_rejects_bad_val
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from testbed.config import register_configs
+    from testbed.compose import register_configs
 
     register_configs([])
     with initialize_config_dir(config_dir=str(CONF), version_base=None):

@@ -34,7 +34,7 @@ def test_the_prediction_is_made_again_on_the_measured_runs_own_acceptance(tmp_pa
     """Trace prompts accept 1 of 4, the measured ones 3 of 4: the standalone prediction replays
     the trace (2 tokens per verification), the own-acceptance one the measured run's (4)."""
     from sim.runtime.engine import run as simulate
-    from testbed.config import validate
+    from testbed.config_validate import validate
     from testbed.report.sections_validate import family, run_split, validation_key
     from testbed.report.validate_own_acceptance import own_acceptance_frame, own_acceptance_lines
     from testbed.results import find_runs, write_run

@@ -25,7 +25,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from testbed.config import ExperimentConfig, real_dtype, to_experiment
+from testbed.compose import to_experiment
+from testbed.config import ExperimentConfig, real_dtype
 from testbed.paths import CONF_DIR, repo_path
 from testbed.schedules import spec_of
 

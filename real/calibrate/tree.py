@@ -269,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from real.calibrate.drafts import drafts_to_measure
     from real.runtime.loading import DTYPES as dtypes
-    from testbed.config import compose_experiment
+    from testbed.compose import compose_experiment
     from testbed.paths import CONF_DIR
 
     ap = argparse.ArgumentParser(prog="python -m real.calibrate.tree", description=main.__doc__)

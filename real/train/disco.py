@@ -57,7 +57,8 @@ DEFAULTS = {
 def _compose(overrides: list[str]):  # type: ignore[no-untyped-def]
     from hydra import compose, initialize_config_dir
 
-    from testbed.config import pairs_named, register_configs, to_experiment, validate
+    from testbed.compose import pairs_named, register_configs, to_experiment
+    from testbed.config_validate import validate
     from testbed.paths import CONF_DIR
 
     register_configs(pairs_named(overrides))

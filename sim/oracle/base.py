@@ -101,15 +101,6 @@ ORACLES: Registry[type[TokenOracle]] = Registry("acceptance")
 ORACLES.register("iid", IidOracle)
 ORACLES.declare("synthetic", "sim.oracle.synthetic")
 ORACLES.declare("trace", "sim.oracle.trace")
-LAZY = {"SyntheticLM", "SyntheticSequence", "SyntheticOracle"}  # in sim/oracle/synthetic.py (torch)
-
-
-def __getattr__(name: str) -> object:
-    if name in LAZY:
-        import sim.oracle.synthetic as mod
-
-        return getattr(mod, name)
-    raise AttributeError(name)
 
 
 def make_oracle(exp: ExperimentConfig, seed: int) -> TokenOracle:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sim.oracle.base import IidOracle, SyntheticSequence
+from sim.oracle.base import IidOracle
+from sim.oracle.synthetic import SyntheticSequence
 from sim.runtime.context import SimContext, SimRequest
 from testbed.spec.ngram import NgramTreeSource
 from testbed.spec.tree import DraftTree, TreeBatch

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from sim.oracle.base import ChainOutcome, SequenceOracle, SyntheticSequence
+from sim.oracle.base import ChainOutcome, SequenceOracle
+from sim.oracle.synthetic import SyntheticSequence
 from sim.runtime.context import SimContext, SimRequest
 from sim.runtime.pipeline import Pipeline
 from sim.schedules import register

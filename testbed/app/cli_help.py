@@ -12,8 +12,7 @@ import contextlib
 import dataclasses
 import textwrap
 
-from testbed.config import ExperimentConfig
-from testbed.config_docs import setting_doc
+from testbed.config import ExperimentConfig, setting_doc
 from testbed.paths import CONF_DIR
 
 GROUP_NOTES = {

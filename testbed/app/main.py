@@ -17,7 +17,9 @@ from omegaconf import DictConfig
 
 from testbed import backends
 from testbed.app import sweeps
-from testbed.config import ConfigError, ExperimentConfig, to_experiment, validate
+from testbed.compose import to_experiment
+from testbed.config import ConfigError, ExperimentConfig
+from testbed.config_validate import validate
 from testbed.paths import CONF_DIR  # noqa: E402
 from testbed.recorder import RunResult
 from testbed.results import write_run

@@ -33,14 +33,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from testbed.app.compose_cache import shared_config_cache
 from testbed.app.unused_settings import unused_for, unused_settings
-from testbed.config import (
-    ConfigError,
-    ExperimentConfig,
-    pairs_named,
-    register_configs,
-    to_experiment,
-    validate,
-)
+from testbed.compose import pairs_named, register_configs, to_experiment
+from testbed.config import ConfigError, ExperimentConfig
+from testbed.config_validate import validate
 from testbed.paths import CONF_DIR
 
 MAX_JOBS_CHECKED = 2000

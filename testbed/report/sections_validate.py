@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from testbed import backends
-from testbed.report import ReportContext, markdown_table, section
+from testbed.report.context import ReportContext, markdown_table, section
 from testbed.report.schedule_kinds import chains, pipelined, serial
 from testbed.report.style import seaborn
 from testbed.report.validate_intervals import add_interval_columns, inside_share
@@ -90,7 +90,8 @@ def replay_measured(run: Run) -> dict | None:
     import pandas as pd
     import yaml
 
-    from testbed.config import ConfigError, to_experiment
+    from testbed.compose import to_experiment
+    from testbed.config import ConfigError
 
     exp_file = run.path / "experiment.yaml"
     if not exp_file.exists() or run.summary.get("schedule") not in chains():

@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from testbed.metrics import divergence
-from testbed.report import ReportContext, markdown_table, section
+from testbed.report.context import ReportContext, markdown_table, section
 from testbed.report.schedule_kinds import pipelined
 from testbed.report.style import savefig
 from testbed.theory import dsd_speedup
