@@ -1,6 +1,6 @@
 """A real `schedule=async` run: two disjoint device groups, one worker process per device.
 
-``run_async(exp)`` launches ``async_rank`` on every rank of the ``async`` placement
+``run_async(exp, placement)`` launches ``async_rank`` on every rank of the ``async`` placement
 (testbed.placement: a ``target`` group and a ``draft`` group, TP inside each, the bridge
 between their leaders). Each rank loads its group's model, shards it over its group
 (real.model.tp), and serves the prompts with its half of the schedule
@@ -36,6 +36,7 @@ from real.runtime.telemetry import Telemetry, run_files
 from real.schedules import TwoGroups, get_schedule
 from real.schedules.async_tree import Peer, Side
 from testbed.config import ExperimentConfig, real_dtype
+from testbed.placement import Placement
 from testbed.recorder import RunRecorder, RunResult
 from testbed.schedules import BASELINE, TWO_GROUPS, schedule_impl
 from testbed.spec.ngram import NgramTreeSource
@@ -171,11 +172,11 @@ def _idle_during_baseline(exp: ExperimentConfig, requests, peer: Peer) -> None: 
             peer.recv()
 
 
-def run_async(exp: ExperimentConfig) -> RunResult:
+def run_async(exp: ExperimentConfig, placement: Placement) -> RunResult:
     from real.runtime.launch import launch, merge_records
 
     check_draft(exp)
-    results = launch(exp, async_rank)
+    results = launch(exp, async_rank, placement=placement)
     if not results:  # torchrun: not rank 0
         return RunResult(recorder=RunRecorder(), baseline=None, extra={"writer": False})
     target = [r for r in results if r.role == "target"]

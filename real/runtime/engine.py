@@ -33,6 +33,7 @@ from real.runtime.loading import build_requests, load, make_draft, model_device
 from real.runtime.telemetry import Telemetry, run_files
 from real.schedules import get_schedule
 from testbed.config import ExperimentConfig, as_dict, real_dtype
+from testbed.placement import Placement
 from testbed.recorder import RunRecorder, RunResult
 from testbed.schedules import (
     BASELINE,
@@ -110,25 +111,25 @@ def cache_slots(exp: ExperimentConfig, requests: list[RealRequest]) -> tuple[int
 
 
 def run(exp: ExperimentConfig) -> RunResult:
-    """A real run, by the runner of its placement's layout (real/runtime/layouts.py)."""
-    from testbed.placement import make_placement
+    """A real run, by the runner of its placement's layout (real/runtime/layouts.py). The
+    placement is made here, once, and handed to the runner and the processes it starts."""
+    from real.runtime.launch import run_placement
 
-    runner = RUNNERS.get(make_placement(exp).layout)
+    placement = run_placement(exp)
+    runner = RUNNERS.get(placement.layout)
     if runner.launches_per_run and exp.real.repeats > 1:
         # its processes are launched per run: repeat whole runs (each the schedule, then ar)
         from real.runtime.repeats import run_repeated
 
         return run_repeated(exp, run, schedule_impl(exp))
-    return runner.run(exp)
+    return runner.run(exp, placement)
 
 
-def run_group(exp: ExperimentConfig) -> RunResult:
+def run_group(exp: ExperimentConfig, placement: Placement) -> RunResult:
     """The ``single`` and ``tree`` layouts: this process, or one SPMD group of worker processes
     (one per device) that all serve the schedule on their shards."""
-    from testbed.placement import make_placement
-
-    if make_placement(exp).world_size > 1:
-        return _run_spawned(exp)
+    if placement.world_size > 1:
+        return _run_spawned(exp, placement)
     with _threads(exp.real.threads), torch.inference_mode():
         return _run(exp)
 
@@ -225,10 +226,10 @@ def serve_worker(ctx) -> _Served:  # type: ignore[no-untyped-def]  # ctx: real.r
     return served
 
 
-def _run_spawned(exp: ExperimentConfig) -> RunResult:
+def _run_spawned(exp: ExperimentConfig, placement: Placement) -> RunResult:
     from real.runtime.launch import launch
 
-    results = launch(exp, serve_worker)
+    results = launch(exp, serve_worker, placement=placement)
     if not results:  # torchrun: not rank 0
         return RunResult(recorder=RunRecorder(), baseline=None, extra={"writer": False})
     leader = min(results, key=lambda r: r.rank).value

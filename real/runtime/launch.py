@@ -123,6 +123,17 @@ def launch(exp: ExperimentConfig, fn: Callable[..., Any], *, args: tuple = (),
     return _launch_spawn(exp, fn, args, pl, timeout_s)
 
 
+def run_placement(exp: ExperimentConfig) -> Placement:
+    """The placement of a run as this process starts it: made once, where the run starts, and
+    handed to the runner, the launch and every worker (in its spawn arguments). Under torchrun
+    its devices are torchrun's processes per machine and its hosts the machines."""
+    if not under_torchrun():
+        return make_placement(exp)
+    world = int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return make_placement(exp, devices=local_world, hosts=max(1, world // local_world))
+
+
 def merge_records(results: list[WorkerResult]) -> RunRecorder:
     """The records of all workers as one run: rounds and requests as recorded (usually by the
     leaders), requests by id, spans by start time."""

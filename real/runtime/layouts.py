@@ -24,11 +24,12 @@ from testbed.schedules import PIPELINE, SINGLE, TREE, TWO_GROUPS
 
 @dataclass(frozen=True)
 class Runner:
-    """A layout's runner: ``run(exp) -> RunResult``. ``launches_per_run``: it starts its
+    """A layout's runner: ``run(exp, placement) -> RunResult``, the placement made once where
+    the run starts (``real.runtime.launch.run_placement``). ``launches_per_run``: it starts its
     processes for every run, so ``real.repeats`` repeats whole runs (real/runtime/repeats.py) instead
     of interleaving the schedule and its baseline inside one."""
 
-    run: Callable[[Any], Any]
+    run: Callable[[Any, Any], Any]
     launches_per_run: bool = False
 
 

@@ -2,7 +2,7 @@
 process per node of the ``pipeline`` placement (testbed.placement), joined in a ring by emulated
 ``network=`` links (real/runtime/links.py).
 
-``run_pipeline(exp)`` launches ``pipeline_rank`` on every rank. Each loads the target, caches only
+``run_pipeline(exp, placement)`` launches ``pipeline_rank`` on every rank. Each loads the target, caches only
 its own layers, and serves: the first stage drives the requests (real/schedules/decentralized.py
 ``dsd_first_stage``, or real/runtime/pipeline.py ``ar_pipeline``), the others run ``stage_worker``. As in
 the simulator, ``speedup`` compares against `ar` over the *same* pipeline: after the schedule's
@@ -49,6 +49,7 @@ from real.schedules.decentralized import (
 )
 from testbed.config import ExperimentConfig, real_dtype
 from testbed.metrics import divergence
+from testbed.placement import Placement
 from testbed.recorder import RunRecorder, RunResult
 from testbed.schedules import PIPELINE, schedule_impl, spec_of
 from testbed.spec.dsd import draft_params
@@ -271,11 +272,11 @@ def summary(exp: ExperimentConfig, stages: list[StageServed], rec: RunRecorder,
     return out
 
 
-def run_pipeline(exp: ExperimentConfig) -> RunResult:
+def run_pipeline(exp: ExperimentConfig, placement: Placement) -> RunResult:
     from real.runtime.launch import launch, merge_records
 
     check(exp)
-    results = launch(exp, pipeline_rank)
+    results = launch(exp, pipeline_rank, placement=placement)
     if not results:  # torchrun: not rank 0
         return RunResult(recorder=RunRecorder(), baseline=None, extra={"writer": False})
     stages = [r.value for r in sorted(results, key=lambda r: r.value.index)]
