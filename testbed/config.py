@@ -15,12 +15,12 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from testbed.paths import CONF_DIR
 from testbed.registry import Registry
 
 # acceptance oracles and cost models are the simulator's: their names come from its registries
 # (testbed.backends.option_names("acceptance"), option_names("sim.cost_model"))
 PROFILE_DRIFTS = ("none", "probe", "forward", "run_probe")
-WORKLOADS = ("synthetic", "humaneval", "mtbench", "alpaca")
 # what a model of a pair is (pair.target.kind, pair.draft.kind); the real backend builds a draft
 # of each kind from its own registry (real/runtime/loading.py DRAFTS)
 MODEL_KINDS: Registry[str] = Registry("model kind")
@@ -253,6 +253,11 @@ class ExperimentConfig:
     report: ReportConfig = field(default_factory=ReportConfig)
     calibrate: bool = doc(False, "backend=real: measure this machine's latency tables for "
                           "sim.cost_model=profile (a flag: +calibrate)")
+
+
+def workload_names() -> list[str]:
+    """The values of ``workload=``: the files of conf/workload/."""
+    return sorted(p.stem for p in (CONF_DIR / "workload").glob("*.yaml"))
 
 
 def real_dtype(exp: ExperimentConfig) -> str:

@@ -9,10 +9,10 @@ from testbed.config import (
     MODEL_KINDS,
     PROFILE_DRIFTS,
     QUANTS,
-    WORKLOADS,
     ConfigError,
     ExperimentConfig,
     ModelConfig,
+    workload_names,
 )
 from testbed.schedules import TWO_GROUPS, schedule_names, spec_of, unsupported
 from testbed.spec.lookahead import LOOKAHEADS
@@ -164,7 +164,7 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
                           "corrects a measured profile for the machine's drift)")
 
     w = exp.workload
-    _choice("workload", w.name, WORKLOADS)
+    _choice("workload", w.name, workload_names())
     _int_range("workload.num_prompts", w.num_prompts, 1, 100_000)
     _int_range("workload.max_new_tokens", w.max_new_tokens, 1, 1_000_000)
     _int_range("workload.prompt_len", w.prompt_len, 1, 10_000_000)

@@ -185,6 +185,9 @@ def load_plugin(module: str) -> None:
     try:
         importlib.import_module(module)
         _plugins_loaded.add(module)
+        named = [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
+        if module not in named:  # the processes this one starts (workers, spawned ranks) load it too
+            os.environ[PLUGINS_ENV] = ",".join([*named, module])
     except ImportError as e:
         from testbed.config import ConfigError
 
