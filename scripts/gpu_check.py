@@ -33,8 +33,8 @@ REPO = gm.REPO
 # (label, overrides) of the real runs after `ar`; each is compared with `ar`'s outputs
 RUNS = [  # most telling first: the budget skips from the end
     ("sync g4", ["schedule=sync", "schedule.gamma=4"]),
-    ("ar eager", ["schedule=ar", "real.baseline=false", "real.model.cuda_graphs=false"]),
-    ("sync g4 eager", ["schedule=sync", "schedule.gamma=4", "real.model.cuda_graphs=false"]),
+    ("ar eager", ["schedule=ar", "real.baseline=false", "real.cuda_graphs=false"]),
+    ("sync g4 eager", ["schedule=sync", "schedule.gamma=4", "real.cuda_graphs=false"]),
     ("serial tree", ["schedule=sync", "schedule.tree=true", "schedule.gamma=4"]),
     ("decentralized N=2", ["schedule=decentralized", "placement.nodes=2", "placement.target_gpus=1",
                            "network=wan", "schedule.gamma=4"]),

@@ -282,7 +282,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
             target, tokenizer = load_model(None if t.path is None else repo_path(t.path),
                                            dtype=dtypes[real_dtype(exp)], device=model_device(exp),
                                            max_seq=64)
-            # the forwards the runs use: CUDA-graph replays where real.model.cuda_graphs is on
+            # the forwards the runs use: CUDA-graph replays where real.cuda_graphs is on
             target.graph_forwards = (GraphedForwards(target) if exp.real.cuda_graphs
                                      and target.device.type == "cuda" else None)
             log(f"calibrating {t.name} on {exp.hardware.name}: {torch.get_num_threads()} threads, {real_dtype(exp)}")

@@ -83,7 +83,7 @@ def unused_settings(exp: ExperimentConfig) -> dict[str, str]:
     if not uses_links(exp):
         out["network"] = f"links between nodes: {_pipelines('network', ' with placement.nodes>1')}"
     if exp.backend == "real" and not exp.real.device.startswith("cuda"):
-        out["real.model.cuda_graphs"] = "real.device=cuda"
+        out["real.cuda_graphs"] = "real.device=cuda"
     if exp.backend == "real" and exp.real.device.startswith("cuda"):
         out["real.allreduce"] = "real.device=cpu (on GPUs tensor parallelism sums with NCCL)"
     if exp.backend != "real":
