@@ -177,7 +177,7 @@ ABLATIONS: dict[str, dict[str, Callable]] = {
 }
 
 
-def run_ablations(model: Transformer, prompt_ids: list[int], new_tokens: int, runs: int,
+def run_ablations(model: Transformer, prompt_ids: list[int], *, new_tokens: int, runs: int,
                   baseline: float) -> dict[str, float]:
     out: dict[str, float] = {}
 
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
                "median_step_fraction_of_read_bw": step_gbs / read_gbs, "load_start": start}
     if args.ablate:
         print(f"ablations (best of {max(2, args.runs // 2)} runs each):")
-        summary["ablations"] = run_ablations(model, prompt_ids, args.new_tokens, max(2, args.runs // 2), tps)
+        summary["ablations"] = run_ablations(model, prompt_ids, new_tokens=args.new_tokens, runs=max(2, args.runs // 2), baseline=tps)
     if args.hf:
         hf_tps = hf_generate_tokens_per_s(prompt_ids, args.new_tokens, 2)
         summary["hf_generate_tokens_per_s"] = hf_tps

@@ -103,12 +103,12 @@ def prompt_token_ids(exp_overrides: list[str]) -> list[list[int]]:
 
     exp = compose_exp([*exp_overrides, "schedule=ar"])
     t = exp.pair.target
-    target, tok = load(t.path, "pair.target", t.name, exp.real.dtype)
+    target, tok = load(t.path, "pair.target", model_name=t.name, dtype=exp.real.dtype)
     return [r.prompt_ids for r in build_requests(exp, tok, target.args.max_seq_len)]
 
 
 # ------------------------------------------------------------------------------ HF
-def hf_rows(prompts: list[list[int]], draft_dir: Path, new_tokens: int, gamma: int, runs: int,
+def hf_rows(prompts: list[list[int]], draft_dir: Path, *, new_tokens: int, gamma: int, runs: int,
             dtype: torch.dtype) -> dict[str, dict]:
     from transformers import AutoModelForCausalLM
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows = ours(overrides, args.runs)
         if not args.no_hf:
             prompts = prompt_token_ids(overrides)
-            rows.update(hf_rows(prompts, draft_dir, args.new_tokens, args.gamma, args.runs, dtype))
+            rows.update(hf_rows(prompts, draft_dir, new_tokens=args.new_tokens, gamma=args.gamma, runs=args.runs, dtype=dtype))
     end = conditions()
 
     base = rows["ar"]["tokens_per_s"]

@@ -45,7 +45,7 @@ def classifier_cost(repeats: int = 300) -> dict:
 
     exp = _compose(["backend=real", "pair=smollm2_135m+smollm2_draft"])
     d = exp.pair.draft
-    model, _ = load(d.path, "pair.draft", d.name, exp.real.dtype)
+    model, _ = load(d.path, "pair.draft", model_name=d.name, dtype=exp.real.dtype)
     model.setup_cache(512)
     draft = ModelDraft(model, SamplingParams(), d.name)
     draft.start(list(range(1000, 1200)))

@@ -36,7 +36,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def rope_tables(
     head_dim: int,
     max_positions: int,
-    theta: float,
+    *, theta: float,
     scaling: dict | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor]:

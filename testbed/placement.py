@@ -219,7 +219,7 @@ class PlacementError(ConfigError):
         ValueError.__init__(self, message)
 
 
-def _check_real(exp: ExperimentConfig, kind: str, world: int, devices: int, hosts: int) -> None:
+def _check_real(exp: ExperimentConfig, kind: str, *, world: int, devices: int, hosts: int) -> None:
     pl = exp.placement
     if exp.real.device.startswith("cuda") and devices == 0:
         raise PlacementError("real.device", f"real.device={exp.real.device}: CUDA is not available on "
@@ -278,7 +278,7 @@ def make_placement(exp: ExperimentConfig, *, devices: int | None = None, hosts: 
         draft_group = "target" if with_draft else None
     world = sum(len(g.ranks) for g in groups)
     if exp.backend == "real":
-        _check_real(exp, kind, world, devices, hosts)
+        _check_real(exp, kind, world=world, devices=devices, hosts=hosts)
     channels = [Channel(f"{TP}:{g.name}", TP, g.ranks) for g in groups if len(g.ranks) > 1]
     by_name = {g.name: g for g in groups}
     if kind == TWO_GROUPS:

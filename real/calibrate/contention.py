@@ -69,9 +69,9 @@ def contention_worker(ctx: Any, models: dict[str, str | None], grid_d: dict[str,
     with torch.inference_mode():
         loaded = {n: _load(p, DTYPES[real_dtype(ctx.exp)], max_seq) for n, p in models.items()}
         if rank == 1:
-            _neighbour(loaded, names, grid, gen, control)
+            _neighbour(loaded, names, grid=grid, gen=gen, control=control)
             return None
-        fns = {(n, k): _forward_fn(loaded[n], "tree", k, grid.context, gen) for n in names for k in grid.k}
+        fns = {(n, k): _forward_fn(loaded[n], "tree", k=k, context=grid.context, gen=gen) for n in names for k in grid.k}
         for fn in fns.values():
             fn()  # warm-up
         pairs = [(m, b) for m in names for b in names if m != b]
@@ -100,12 +100,12 @@ def _time_ks(fns: dict, name: str, ks: list[int], into: dict[int, list[float]]) 
         into.setdefault(k, []).append(time.perf_counter() - t)
 
 
-def _neighbour(loaded: dict[str, Any], names: list[str], grid: ContentionGrid, gen: torch.Generator,
+def _neighbour(loaded: dict[str, Any], names: list[str], *, grid: ContentionGrid, gen: torch.Generator,
                control: str) -> None:
     """Rank 1: idle until told to stream a model's forwards, stream until the stop flag appears."""
     from real.calibrate.tp import _forward_fn
 
-    fns = {n: _forward_fn(loaded[n], "tree", grid.busy_k, grid.context, gen) for n in names}
+    fns = {n: _forward_fn(loaded[n], "tree", k=grid.busy_k, context=grid.context, gen=gen) for n in names}
     cmd = torch.zeros(2, dtype=torch.long)
     burst = 0
     while True:
@@ -159,7 +159,7 @@ def measure_contention(exp: ExperimentConfig, models: dict[str, str | None],
     return tables
 
 
-def add_contention(exp: ExperimentConfig, models: dict[str, Any], paths: dict[str, str | None],
+def add_contention(exp: ExperimentConfig, models: dict[str, Any], *, paths: dict[str, str | None],
                    log: Callable[[str], None], tp_grid: Any = None) -> None:
     """Measure the target against every draft model of ``paths`` (target first) and store the
     tables in ``models[name]["contended"]``; a failure is logged and leaves the profile without

@@ -174,7 +174,7 @@ def add_target_probes(pr: Probes, model: Any, grid: Grid) -> Callable[[], dict[s
             p = standardize(torch.randn(k, vocab, generator=gen), params)
             q = standardize(torch.randn(k - 1, vocab, generator=gen), params)
             guesses = q.argmax(dim=-1) if k > 1 else torch.zeros(0, dtype=torch.long)
-            pr.add(("accept", cls, k), lambda p=p, q=q, g=guesses: speculative_step(p, q, g, gen))
+            pr.add(("accept", cls, k), lambda p=p, q=q, g=guesses: speculative_step(p, q, draft_tokens=g, generator=gen))
         # `ar` picks its token from p directly (argmax, or one draw) instead of Algorithm 1
         p1 = standardize(torch.randn(vocab, generator=gen), params)
         pick_fn = _pick(temp == 0.0, gen)
@@ -200,7 +200,7 @@ def add_target_probes(pr: Probes, model: Any, grid: Grid) -> Callable[[], dict[s
     return build
 
 
-def add_draft_probes(pr: Probes, cfg: ModelConfig, vocab: int, grid: Grid, prompt: list[int],
+def add_draft_probes(pr: Probes, cfg: ModelConfig, *, vocab: int, grid: Grid, prompt: list[int],
                      make: Callable[[float], Any]) -> Callable[[], dict[str, Any]]:
     name = cfg.name
     gen = torch.Generator().manual_seed(1)
@@ -256,7 +256,7 @@ def profile_path(exp: ExperimentConfig) -> Path:
     return testbed_profile_path(exp)
 
 
-def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | None = None,
+def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, *, grid: Grid | None = None,
               log: Callable[[str], None] = print, messages: bool = True,
               out_path: Path | None = None, tp: bool = True, tp_grid: Any = None) -> Path:
     """Measure and write the profile; returns its path. ``tp``: also the multi-process tables
@@ -293,7 +293,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
                 try:
                     def make(temp: float, d: ModelConfig = d) -> Any:
                         return _make_draft(exp, d, target, tokenizer, SamplingParams(temperature=temp))
-                    builders[d.name] = add_draft_probes(pr, d, target.args.vocab_size, grid, prompt, make)
+                    builders[d.name] = add_draft_probes(pr, d, vocab=target.args.vocab_size, grid=grid, prompt=prompt, make=make)
                 except Exception as e:  # noqa: BLE001 - one unusable draft must not lose the rest
                     log(f"draft {d.name}: skipped ({type(e).__name__}: {e})")
             log(f"{len(pr.fns)} probes x {grid.repeats} interleaved passes; models: {', '.join(builders)}")
@@ -305,7 +305,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, grid: Grid | N
             fwd_after = time_functions(fwd)
             models = {name: build() for name, build in builders.items()}
             from real.calibrate.sampling import add_sampling_tables  # per mode: top-k/top-p extra
-            add_sampling_tables(exp, target, prompt, models, drafts_to_measure(exp), log=log)
+            add_sampling_tables(exp, target, prompt=prompt, models=models, drafts=drafts_to_measure(exp), log=log)
             from real.calibrate.tree import (  # tree expansions
                 add_ngram_tree_tables,
                 add_tree_tables,
@@ -380,7 +380,7 @@ def _measure_tp(exp: ExperimentConfig, models: dict[str, Any], grid: Any,
     except Exception as e:  # noqa: BLE001 - the TP 1 tables are still useful
         log(f"tensor-parallel tables: skipped ({type(e).__name__}: {e})")
         part = {}
-    add_contention(exp, part.setdefault("models", {}), paths, log, grid)  # async's two cores
+    add_contention(exp, part.setdefault("models", {}), paths=paths, log=log, tp_grid=grid)  # async's two cores
     return part
 
 

@@ -61,7 +61,7 @@ def prompt_logits(model: Any, ids: list[int], rows: int) -> torch.Tensor:
 
 
 def measure_sampling(logits: torch.Tensor, temperature: float = SAMPLE_TEMPERATURE,
-                     top_k: int = DEFAULT_TOP_K, top_p: float = DEFAULT_TOP_P,
+                     *, top_k: int = DEFAULT_TOP_K, top_p: float = DEFAULT_TOP_P,
                      passes: int = 5) -> dict[str, Any]:
     """The profile's "sampling" node for one model from its logits [rows, V]."""
     out = time_modes(logits, mode_params(temperature, top_k, top_p), passes)
@@ -69,7 +69,7 @@ def measure_sampling(logits: torch.Tensor, temperature: float = SAMPLE_TEMPERATU
             "params": {"temperature": temperature, "top_k": top_k, "top_p": top_p}, **out}
 
 
-def add_sampling_tables(exp: Any, target: Any, prompt: list[int], models: dict[str, Any],
+def add_sampling_tables(exp: Any, target: Any, *, prompt: list[int], models: dict[str, Any],
                         drafts: list[Any], log: Any = print, rows: int = 8, passes: int = 5) -> None:
     """Add the "sampling" node to the target's and every transformer draft's entry of `models`
     (an early-exit draft shares the target's LM head and vocabulary: the target's logits; an

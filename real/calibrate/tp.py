@@ -73,7 +73,7 @@ def tree_mask(k: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
     return mask, depths
 
 
-def _forward_fn(model: Any, shape: str, k: int, context: int, gen: torch.Generator) -> Callable[[], Any]:
+def _forward_fn(model: Any, shape: str, *, k: int, context: int, gen: torch.Generator) -> Callable[[], Any]:
     x = torch.randint(model.args.vocab_size, (1, k), generator=gen)
     pos = torch.arange(context, context + k)
     if shape == "chain":
@@ -164,7 +164,7 @@ def tp_worker(ctx: Any, models: dict[str, str | None], grid_d: dict[str, Any]) -
                 for shape in SHAPES:
                     for c in grid.context:
                         for k in grid.k:
-                            timer.fns[(shape, k, c)] = _forward_fn(model, shape, k, c, gen)
+                            timer.fns[(shape, k, c)] = _forward_fn(model, shape, k=k, context=c, gen=gen)
                 timer.run(grid.repeats, seed=degree,
                           align=(lambda: dist.barrier(group=group)) if degree > 1 else None)
                 result["forward"][(name, degree)] = {key: timer.median(key) for key in timer.fns}

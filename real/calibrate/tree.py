@@ -79,7 +79,7 @@ def time_expansions(model: Any, vocab: int, params: SamplingParams, *, leaves: S
     timed = TimedForward(model)
     raw: dict[int, list[float]] = {n: [] for n in leaves}
     gc.collect()  # (the collector runs inside the expansions timed, as it does in a run)
-    _grow(timed, params, history, gen, leaves, passes, raw)
+    _grow(timed, params, history=history, gen=gen, leaves=leaves, passes=passes, raw=raw)
     med = [statistics.median(raw[n]) for n in leaves]
     return {"leaves": list(leaves), "seconds": isotonic(med), "raw": med}
 
@@ -87,7 +87,7 @@ def time_expansions(model: Any, vocab: int, params: SamplingParams, *, leaves: S
 GROWN = 12  # expansions per tree timed: the tree an async draft keeps growing, not a fresh one
 
 
-def _grow(timed: TimedForward, params: SamplingParams, history: list[int], gen: torch.Generator,
+def _grow(timed: TimedForward, params: SamplingParams, *, history: list[int], gen: torch.Generator,
           leaves: Sequence[int], passes: int, raw: dict[int, list[float]]) -> None:
     """Per pass and width n, a tree grown ``GROWN`` times; every expansion of n leaves (all
     but the first, of the root alone) is a sample. The bookkeeping grows with the tree: on

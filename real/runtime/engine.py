@@ -149,7 +149,7 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
     """Load, serve the prompts with the schedule and then ``ar``; ``tp`` = (index, degree,
     process group) shards both models over a tensor-parallel group first."""
     t = exp.pair.target
-    target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp), model_device(exp),
+    target, tokenizer = load(t.path, "pair.target", model_name=t.name, dtype=real_dtype(exp), device=model_device(exp),
                              cuda_graphs=exp.real.cuda_graphs)
     params = SamplingParams(exp.sampling.temperature, exp.sampling.top_k, exp.sampling.top_p)
     draft = make_draft(exp, target, tokenizer, params)
@@ -179,7 +179,7 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
                          probe=probe if has_draft or not drafts else None)
         with telemetry if leader else contextlib.nullcontext():
             rec, baseline, repeat_fields = serve_interleaved(
-                schedule_impl(exp), exp.real.repeats, want_baseline, measure, schedule_extra, seed=exp.seed)
+                schedule_impl(exp), exp.real.repeats, baseline=want_baseline, measure=measure, schedule_extra=schedule_extra, seed=exp.seed)
         schedule_extra.update(repeat_fields)
         want_baseline = False
     else:

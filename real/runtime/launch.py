@@ -120,7 +120,7 @@ def launch(exp: ExperimentConfig, fn: Callable[..., Any], *, args: tuple = (),
                             time.perf_counter(), exp.real.recv_timeout_s)
         info = pl.rank(0)
         return [WorkerResult(0, info.role, info.group, fn(ctx, *args), ctx.rec)]
-    return _launch_spawn(exp, fn, args, pl, timeout_s)
+    return _launch_spawn(exp, fn, args=args, pl=pl, timeout_s=timeout_s)
 
 
 def run_placement(exp: ExperimentConfig) -> Placement:
@@ -149,7 +149,7 @@ def merge_records(results: list[WorkerResult]) -> RunRecorder:
 
 
 # --------------------------------------------------------------------------------- spawn
-def _launch_spawn(exp: ExperimentConfig, fn: Callable[..., Any], args: tuple, pl: Placement,
+def _launch_spawn(exp: ExperimentConfig, fn: Callable[..., Any], *, args: tuple, pl: Placement,
                   timeout_s: float | None) -> list[WorkerResult]:
     cpus = sorted(os.sched_getaffinity(0))
     ctx = mp.get_context("spawn")
@@ -274,7 +274,7 @@ def _launch_torchrun(exp: ExperimentConfig, fn: Callable[..., Any], args: tuple,
     dist.init_process_group(backend_name(exp, pl), rank=rank, world_size=world,
                             timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, exp.real.recv_timeout_s)))
     try:
-        ctx = setup(exp, pl, rank, device, hosts)
+        ctx = setup(exp, pl, rank=rank, device=device, hosts=hosts)
         value = fn(ctx, *args)
         finish(ctx)
         info = pl.rank(rank)

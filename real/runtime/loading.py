@@ -34,8 +34,8 @@ def model_device(exp: ExperimentConfig) -> torch.device:
     return torch.device(name) if ":" in name else torch.device("cuda", torch.cuda.current_device())
 
 
-def load(path: str | None, what: str, model_name: str, dtype: str,
-         device: torch.device | str = "cpu", *, cuda_graphs: bool = False) -> tuple[Transformer, Tokenizer]:
+def load(path: str | None, what: str, *, model_name: str, dtype: str,
+         device: torch.device | str = "cpu", cuda_graphs: bool = False) -> tuple[Transformer, Tokenizer]:
     from real.model.weights import load_model
 
     if path is None and model_name != BUNDLED_TARGET:
@@ -70,7 +70,7 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     return Tokenizer.from_dir(resolved) if resolved.is_dir() else Tokenizer.from_gguf(open_gguf(resolved))
 
 
-def check_vocab(target_tok: Tokenizer, target: Transformer, draft_tok: Tokenizer, draft: Transformer,
+def check_vocab(target_tok: Tokenizer, target: Transformer, *, draft_tok: Tokenizer, draft: Transformer,
                 draft_name: str) -> None:
     if draft.args.vocab_size != target.args.vocab_size or draft_tok.vocab_size != target_tok.vocab_size \
             or any(draft_tok.backend.id_to_token(i) != target_tok.backend.id_to_token(i)
@@ -107,9 +107,9 @@ def _early_exit_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tok
 def _model_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tokenizer,
                  params: SamplingParams) -> Draft:
     d = exp.pair.draft
-    model, tok = load(d.path, "pair.draft", d.name, real_dtype(exp), model_device(exp),
+    model, tok = load(d.path, "pair.draft", model_name=d.name, dtype=real_dtype(exp), device=model_device(exp),
                       cuda_graphs=exp.real.cuda_graphs)
-    check_vocab(tokenizer, target, tok, model, d.name)
+    check_vocab(tokenizer, target, draft_tok=tok, draft=model, draft_name=d.name)
     return ModelDraft(model, params, d.name)
 
 

@@ -97,7 +97,7 @@ def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: r
     served = StageServed(index)
     with torch.inference_mode():
         t = exp.pair.target
-        target, tokenizer = load(t.path, "pair.target", t.name, real_dtype(exp), model_device(exp),
+        target, tokenizer = load(t.path, "pair.target", model_name=t.name, dtype=real_dtype(exp), device=model_device(exp),
                              cuda_graphs=exp.real.cuda_graphs)
         if target.args.n_layers != t.layers:  # the placement split the preset's layers
             raise RealSetupError(f"pair.target.layers={t.layers} but {t.path or t.name} has "
@@ -126,8 +126,8 @@ def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: r
             dist.barrier()
         served.extra["probe_stage"] = _probe_stages(stage, params)
         if index == 0:
-            _first_stage(stage, exp, served, requests, tokenizer, target, params, draft_slots,
-                         make_verify, make_draft)
+            _first_stage(stage, exp, served=served, requests=requests, tokenizer=tokenizer, target=target, params=params, draft_slots=draft_slots,
+                         make_verify=make_verify, make_draft=make_draft)
         else:
             stage_worker(stage, make_verify)
         served.compute_s = dict(stage.compute_s)
@@ -169,7 +169,7 @@ def _probe_stages(stage: Stage, params: SamplingParams) -> dict[str, float]:
     return reading
 
 
-def _first_stage(stage: Stage, exp: ExperimentConfig, served: StageServed, requests, tokenizer,  # type: ignore[no-untyped-def]
+def _first_stage(stage: Stage, exp: ExperimentConfig, *, served: StageServed, requests, tokenizer,  # type: ignore[no-untyped-def]
                  target, params: SamplingParams, draft_slots: int, make_verify, make_draft) -> None:
     from real.errors import RealSetupError as _Err
     from real.model.drafts import ModelDraft
@@ -264,8 +264,8 @@ def summary(exp: ExperimentConfig, stages: list[StageServed], rec: RunRecorder,
         "tokens_per_round": k,
         "comm_reduction_eq5": dsd_comm_reduction(k, t0, t1, links + 1) if k == k and t0 > 0 else None,
         "key_token_fraction": last.key / last.drafted if s.adaptive and last.drafted else None,
-        "theory_speedup": dsd_speedup(alpha, s.gamma, c, t0, t1, links + 1) if c == c else None,
-        "theory_speedup_open_chain": dsd_speedup(alpha, s.gamma, c, t0, t1, max(1, links))
+        "theory_speedup": dsd_speedup(alpha, s.gamma, c=c, t0=t0, t1=t1, nodes=links + 1) if c == c else None,
+        "theory_speedup_open_chain": dsd_speedup(alpha, s.gamma, c=c, t0=t0, t1=t1, nodes=max(1, links))
         if c == c else None,
         "schedule_end_s": first.schedule_end_s,
     })

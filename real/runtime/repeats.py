@@ -73,7 +73,7 @@ def _order_fields(order: list[str], states: list[dict[str, Any]]) -> dict[str, A
                                 for s in states if s["changed"]]}
 
 
-def serve_interleaved(impl: str, repeats: int, baseline: bool,
+def serve_interleaved(impl: str, repeats: int, *, baseline: bool,
                       measure: Callable[[str, dict | None], RunRecorder],
                       schedule_extra: dict, seed: int = 0, probe: bool = True
                       ) -> tuple[RunRecorder, RunRecorder | None, dict[str, Any]]:

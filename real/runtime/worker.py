@@ -202,8 +202,8 @@ def run_origin(hosts: int) -> tuple[float, str]:
     return box[0] + offsets[len(offsets) // 2], box[1]
 
 
-def setup(exp: ExperimentConfig, pl: Placement, rank: int, device: torch.device, hosts: int,
-          ) -> WorkerContext:
+def setup(exp: ExperimentConfig, pl: Placement, *, rank: int, device: torch.device,
+          hosts: int) -> WorkerContext:
     """After init_process_group: groups, the shared clock, transports."""
     timeout = exp.real.recv_timeout_s
     groups = make_groups(pl, timeout)
@@ -274,7 +274,7 @@ def worker_main(rank: int, exp: ExperimentConfig, pl: Placement, fn: Callable[..
         store = dist.FileStore(store_path, pl.world_size)
         dist.init_process_group(backend_name(exp, pl), store=store, rank=rank, world_size=pl.world_size,
                                 timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, exp.real.recv_timeout_s)))
-        ctx = setup(exp, pl, rank, device, hosts=1)
+        ctx = setup(exp, pl, rank=rank, device=device, hosts=1)
         value = fn(ctx, *args)
         finish(ctx)
         info = pl.rank(rank)

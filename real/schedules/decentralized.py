@@ -95,7 +95,7 @@ class WindowVerifier:
             step = res.step
             self.key += sum(res.key)
         else:
-            step = speculative_step(p, q, guesses, self.gen)
+            step = speculative_step(p, q, draft_tokens=guesses, generator=self.gen)
         self.drafted += int(guesses.numel())
         emitted = step.tokens
         logp = torch.log_softmax(logits[:len(emitted)].float(), dim=-1)

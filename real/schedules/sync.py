@@ -47,7 +47,7 @@ def serve_sync(ctx: RealContext, req: RealRequest) -> None:
         guesses, q = draft.propose(ids, gamma, gen, policy)
         m = ctx.now()
         p = ctx.target.probs([ids[-1], *guesses], len(ids) - 1)
-        step = speculative_step(p, q, torch.tensor(guesses, dtype=torch.long), gen)
+        step = speculative_step(p, q, draft_tokens=torch.tensor(guesses, dtype=torch.long), generator=gen)
         e = ctx.now()
         n, k = step.accepted, len(guesses)
         ids.extend(step.tokens)

@@ -113,7 +113,7 @@ def fit_cost(rounds, cfg, context: int = 256) -> tuple[float, dict[int, float]]:
     d = rounds[rounds.drafted > 0]
     t_draft = float(d.draft_s.sum() / d.drafted.sum())
     exp = _compose([f"pair={cfg.pair}", "backend=real"])
-    model, _ = load(exp.pair.target.path, "pair.target", exp.pair.target.name, real_dtype(exp))
+    model, _ = load(exp.pair.target.path, "pair.target", model_name=exp.pair.target.name, dtype=real_dtype(exp))
     model.setup_cache(context + cfg.record_gamma + 8)
     runner = TargetRunner(model, SamplingParams(cfg.temperature))
     runner.prefill(list(range(1000, 1000 + context)))

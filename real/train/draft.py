@@ -201,7 +201,7 @@ def target_embedding() -> Tensor:
     return gguf_hf_state(reader, gguf_args(reader))["model.embed_tokens.weight"]
 
 
-def train_step(model: Transformer, opt: torch.optim.Optimizer, batch: tuple[Tensor, ...],
+def train_step(model: Transformer, opt: torch.optim.Optimizer, *, batch: tuple[Tensor, ...],
                lr: float, cfg: DictConfig) -> float:
     """One optimizer step on ``batch`` (tokens, teacher ids, log-probs, weights); the loss."""
     toks, idx, lp, w = batch
@@ -266,7 +266,7 @@ def train(cfg: DictConfig) -> Transformer:
                mininterval=5)
     ema = None
     while step < stop:
-        val = train_step(model, opt, batch_at(data, step, t.batch_rows, t.seq_len, cfg.seed),
+        val = train_step(model, opt, batch=batch_at(data, step, rows=t.batch_rows, seq_len=t.seq_len, seed=cfg.seed),
                          lr=lr_at(step, cfg), cfg=cfg)
         step += 1
         ema = val if ema is None else 0.95 * ema + 0.05 * val

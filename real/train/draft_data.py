@@ -262,7 +262,7 @@ def pack(paths: list[Path], cfg: DictConfig) -> Packed:
     return Packed(torch.cat(toks), torch.cat(idx), torch.cat(lp), torch.cat(w))
 
 
-def batch_at(data: Packed, step: int, rows: int, seq_len: int, seed: int) -> tuple[Tensor, ...]:
+def batch_at(data: Packed, step: int, *, rows: int, seq_len: int, seed: int) -> tuple[Tensor, ...]:
     """The batch of training step ``step``: a pure function of (data, step, seed), so a resumed
     run reads exactly what an uninterrupted one would."""
     n_rows = len(data.tokens) // seq_len

@@ -66,7 +66,7 @@ def teacher_forced_logits(model, tokens: list[int], start: int) -> torch.Tensor:
     return model(torch.tensor([tokens]), 0)[0, start - 1: len(tokens) - 1]
 
 
-def score_sequence(target, draft, tokens: list[int], n_prompt: int, temperature: float,
+def score_sequence(target, draft, *, tokens: list[int], n_prompt: int, temperature: float,
                    gamma: int) -> dict:
     p_logits = teacher_forced_logits(target, tokens, n_prompt)
     q_logits = teacher_forced_logits(draft, tokens, n_prompt)
@@ -121,8 +121,8 @@ def evaluate(cfg: DictConfig) -> dict:
             for j in range(0, len(ids), cfg.gen_batch):
                 seqs += generate_batch(target, ids[j: j + cfg.gen_batch], cfg.max_new_tokens,
                                        temp, 1, tok.eos_token_ids, gen)
-            scores = [score_sequence(target, draft, s["tokens"].tolist(), s["n_prompt"], temp,
-                                     cfg.gamma) for s in seqs if len(s["tokens"]) > s["n_prompt"]]
+            scores = [score_sequence(target, draft, tokens=s["tokens"].tolist(), n_prompt=s["n_prompt"], temperature=temp,
+                                     gamma=cfg.gamma) for s in seqs if len(s["tokens"]) > s["n_prompt"]]
             pos = sum(s["positions"] for s in scores)
             alpha = sum(s["beta_sum"] for s in scores) / max(1, pos)
             key = "T0" if temp == 0 else "T1"

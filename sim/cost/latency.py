@@ -25,7 +25,7 @@ KEYS = ("model", "hardware", "tp", "tokens", "context", "quant", "format", "laye
 BREAKDOWN = ("weights", "attention", "allreduce", "launch", "other")
 
 
-def _int(args: dict[str, str], key: str, default: int, lo: int, hi: int, why: str) -> int:
+def _int(args: dict[str, str], key: str, *, default: int, lo: int, hi: int, why: str) -> int:
     raw = args.get(key, str(default))
     allowed = f"an integer in [{lo}, {hi}] ({why})"
     try:
@@ -61,10 +61,10 @@ def parse(argv: list[str]) -> dict[str, Any]:
     if quant not in QUANT_SPECS:
         raise ConfigError("quant", quant, "one of " + ", ".join(QUANT_SPECS))
     model = dataclasses.replace(model, quant=quant)
-    tp = _int(args, "tp", 1, 1, hw.gpus_per_node, f"GPUs per node of {hw.name}")
-    tokens = _int(args, "tokens", 1, 1, model.max_context, f"max_context of {model.name}")
-    context = _int(args, "context", 0, 0, model.max_context - tokens,
-                   f"context + tokens <= max_context {model.max_context} of {model.name}")
+    tp = _int(args, "tp", default=1, lo=1, hi=hw.gpus_per_node, why=f"GPUs per node of {hw.name}")
+    tokens = _int(args, "tokens", default=1, lo=1, hi=model.max_context, why=f"max_context of {model.name}")
+    context = _int(args, "context", default=0, lo=0, hi=model.max_context - tokens,
+                   why=f"context + tokens <= max_context {model.max_context} of {model.name}")
     fmt = args.get("format", "table")
     if fmt not in ("table", "json"):
         raise ConfigError("format", fmt, "one of table, json")
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         req = parse(argv)
-        r = forward_cost(req["model"], req["hardware"], req["tp"], req["tokens"], req["context"],
-                         req["layers"])
+        r = forward_cost(req["model"], req["hardware"], tp=req["tp"], tokens=req["tokens"], context=req["context"],
+                         layers=req["layers"])
     except (ConfigError, ValueError) as e:
         print(f"sim.cost.latency: {e}", file=sys.stderr)
         return 2

@@ -314,7 +314,7 @@ class ProfileCost(CostModel):
     def forward(self, role: Role, tokens: int, context: int,
                 layers: tuple[int, int] | None = None, _raw: bool = False, shape: str = "chain",
                 alone: bool = False) -> float:
-        t = self._forward_unscaled(role, tokens, context, layers, shape, alone)
+        t = self._forward_unscaled(role, tokens, context=context, layers=layers, shape=shape, alone=alone)
         if _raw:
             return t
         return t * self.role_scale(role, tokens)
@@ -350,7 +350,7 @@ class ProfileCost(CostModel):
         select, advance = self._tree_rounds
         return select(leaves) * scale, advance(leaves) * scale
 
-    def _forward_unscaled(self, role: Role, tokens: int, context: int,
+    def _forward_unscaled(self, role: Role, tokens: int, *, context: int,
                           layers: tuple[int, int] | None, shape: str = "chain", alone: bool = False) -> float:
         table = self._forward[role]
         if isinstance(table, Table1D) and shape == "tree" and self._tree_expand is not None:

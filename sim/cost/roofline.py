@@ -81,13 +81,13 @@ class RooflineCost(CostModel):
         self._memo: dict[tuple[str, int, tuple[int, int] | None], Piecewise] = {}
         for m in self.models.values():  # bad hardware/model fails here, not mid-simulation
             if m is not None:
-                forward_ops(m[0], self.hw, m[1], 1, None, cal)
+                forward_ops(m[0], self.hw, tp=m[1], tokens=1, layers=None, cal=cal)
 
     def _ops(self, role: Role, tokens: int, layers: tuple[int, int] | None) -> list[Op] | None:
         spec = self.models[role]
         if spec is None:
             return None
-        return forward_ops(spec[0], self.hw, spec[1], tokens, layers, self.cal)
+        return forward_ops(spec[0], self.hw, tp=spec[1], tokens=tokens, layers=layers, cal=self.cal)
 
     def forward(self, role: Role, tokens: int, context: int,
                 layers: tuple[int, int] | None = None) -> float:

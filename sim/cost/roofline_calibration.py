@@ -96,9 +96,9 @@ def kernel_points() -> list[tuple[str, str, int, int, tuple[str, ...], float]]:
     return pts
 
 
-def predict_us(model: str, tp: int, context: int, ops: tuple[str, ...], hw: HardwareConfig,
+def predict_us(model: str, tp: int, *, context: int, ops: tuple[str, ...], hw: HardwareConfig,
                cal: Calibration) -> float:
-    t = op_seconds(int4(model), hw, tp, TOKENS, context, cal)
+    t = op_seconds(int4(model), hw, tp=tp, tokens=TOKENS, context=context, cal=cal)
     return 1e6 * sum(t[o] for o in ops)
 
 
@@ -132,7 +132,7 @@ def fit() -> tuple[Calibration, HardwareConfig]:
 
     def resid(x: list[float]) -> list[float]:
         cal, hw = unpack(x)
-        return [wi * math.log(predict_us(m, tp, c, ops, hw, cal) / us)
+        return [wi * math.log(predict_us(m, tp, context=c, ops=ops, hw=hw, cal=cal) / us)
                 for wi, (_, m, tp, c, ops, us) in zip(w, pts)]
 
     x = least_squares(resid, [0.6, 4.0, 8.0, 1.0, 5.0], bounds=([0.05, 0, 0, 0, 0], [1, 50, 50, 10, 50])).x
@@ -153,7 +153,7 @@ def with_overhead(cal: Calibration, hw: HardwareConfig) -> Calibration:
     from scipy.optimize import least_squares
 
     cal = dataclasses.replace(cal, forward_overhead_us=0.0)
-    fwd = [(forward_cost(int4(m), hw, tp, k, c, cal=cal).total_s * 1e3, ms)
+    fwd = [(forward_cost(int4(m), hw, tp=tp, tokens=k, context=c, cal=cal).total_s * 1e3, ms)
            for _, m, tp, k, c, ms in forward_points()]
     res = least_squares(lambda o: [math.log((p + o[0] / 1e3) / ms) for p, ms in fwd], [1000.0],
                         bounds=([0.0], [1e5]))
@@ -162,7 +162,7 @@ def with_overhead(cal: Calibration, hw: HardwareConfig) -> Calibration:
 
 def tp_shape_ratio(cal: Calibration, hw: HardwareConfig, model: str = TP_SHAPE_MODEL) -> float:
     """Forward time at TP 4 over TP 2 (8 tokens, context TABLE3_CONTEXT)."""
-    t2, t4 = (forward_cost(int4(model), hw, tp, TOKENS, TABLE3_CONTEXT, cal=cal).total_s
+    t2, t4 = (forward_cost(int4(model), hw, tp=tp, tokens=TOKENS, context=TABLE3_CONTEXT, cal=cal).total_s
               for tp in (2, 4))
     return t4 / t2
 
@@ -170,7 +170,7 @@ def tp_shape_ratio(cal: Calibration, hw: HardwareConfig, model: str = TP_SHAPE_M
 def tp_scaling_table(cal: Calibration, hw: HardwareConfig, context: int = TABLE3_CONTEXT
                      ) -> dict[str, list[float]]:
     """ms of one 8-token forward of the int4 Llama-3 family at TP 1, 2, 4, 8 (seed 002 Table 1)."""
-    return {m: [forward_cost(int4(m), hw, tp, TOKENS, context, cal=cal).total_s * 1e3
+    return {m: [forward_cost(int4(m), hw, tp=tp, tokens=TOKENS, context=context, cal=cal).total_s * 1e3
                 for tp in (1, 2, 4, 8)]
             for m in ("llama3_2_1b", "llama3_2_3b", "llama3_8b", "llama3_70b")}
 
@@ -183,15 +183,15 @@ def report(cal: Calibration, hw: HardwareConfig) -> str:
              f"{'point':<34}{'measured':>10}{'model':>10}{'error':>8}"]
     errs: dict[str, list[float]] = {"T3": [], "T7": []}
     for label, m, tp, c, ops, us in kernel_points():
-        p = predict_us(m, tp, c, ops, hw, cal)
+        p = predict_us(m, tp, context=c, ops=ops, hw=hw, cal=cal)
         errs[label[:2]].append((p - us) / us)
         lines.append(f"{label:<34}{us:>10.2f}{p:>10.2f}{100 * (p - us) / us:>+7.0f}%")
-    layer = sum(predict_us("llama3_70b", 4, TABLE3_CONTEXT, o, hw, cal) for _, o, _ in TABLE3)
+    layer = sum(predict_us("llama3_70b", 4, context=TABLE3_CONTEXT, ops=o, hw=hw, cal=cal) for _, o, _ in TABLE3)
     lines.append("RMS error " + ", ".join(f"{k} {100 * math.sqrt(sum(e * e for e in v) / len(v)):.0f}%"
                                         for k, v in errs.items())
                  + f"; Table 3 layer total {100 * (layer / sum(u for *_, u in TABLE3) - 1):+.0f}%")
     for label, m, tp, k, c, ms in forward_points():
-        p = forward_cost(int4(m), hw, tp, k, c, cal=cal).total_s * 1e3
+        p = forward_cost(int4(m), hw, tp=tp, tokens=k, context=c, cal=cal).total_s * 1e3
         lines.append(f"{label + ' (ms)':<34}{ms:>10.2f}{p:>10.2f}{100 * (p - ms) / ms:>+7.0f}%")
     lines.append(f"{'Table 1 shape (ms, 8 tokens)':<34}{'TP 1':>8}{'TP 2':>8}{'TP 4':>8}{'TP 8':>8}")
     for m, row in tp_scaling_table(cal, hw).items():

@@ -125,7 +125,7 @@ def allreduce_s(hw: HardwareConfig, tp: int, nbytes: float, cal: Calibration,
     return alpha_us * 1e-6 + factor * nbytes / (hw.nvlink_gbps * 1e9)
 
 
-def _check(model: ModelConfig, hw: HardwareConfig, tp: int, tokens: int,
+def _check(model: ModelConfig, hw: HardwareConfig, *, tp: int, tokens: int,
            layers: tuple[int, int] | None) -> tuple[int, int]:
     if model.kind != "transformer":
         raise ValueError(f"model.kind={model.kind!r} is not allowed here: transformer")
@@ -140,11 +140,11 @@ def _check(model: ModelConfig, hw: HardwareConfig, tp: int, tokens: int,
     return lo, hi
 
 
-def forward_ops(model: ModelConfig, hw: HardwareConfig, tp: int, tokens: int,
+def forward_ops(model: ModelConfig, hw: HardwareConfig, *, tp: int, tokens: int,
                 layers: tuple[int, int] | None = None,
                 cal: Calibration = DEFAULT_CALIBRATION) -> list[Op]:
     """The ops of one forward of `tokens` tokens over layers [lo, hi) (None = all)."""
-    lo, hi = _check(model, hw, tp, tokens, layers)
+    lo, hi = _check(model, hw, tp=tp, tokens=tokens, layers=layers)
     q = spec(model.quant)
     act, t, h = q.act_bytes, tokens, model.hidden
     hd = model.head_dim or h // model.heads
@@ -233,13 +233,13 @@ def evaluate(ops: list[Op], hw: HardwareConfig, context: int) -> RooflineForward
                            hbm_bytes=hbm, link_bytes=link, flops=flops, memory_s=mem, compute_s=comp)
 
 
-def forward_cost(model: ModelConfig, hw: HardwareConfig, tp: int, tokens: int, context: int,
+def forward_cost(model: ModelConfig, hw: HardwareConfig, *, tp: int, tokens: int, context: int,
                  layers: tuple[int, int] | None = None,
                  cal: Calibration = DEFAULT_CALIBRATION) -> RooflineForward:
     """Modelled time of one forward of `model` (its own `quant`) on `tp` GPUs of `hw`."""
     if context < 0:
         raise ValueError(f"context={context} is not allowed: an integer >= 0")
-    return evaluate(forward_ops(model, hw, tp, tokens, layers, cal), hw, context)
+    return evaluate(forward_ops(model, hw, tp=tp, tokens=tokens, layers=layers, cal=cal), hw, context)
 
 
 def early_exit_model(target: ModelConfig, exit_layer: int) -> ModelConfig:
@@ -247,10 +247,10 @@ def early_exit_model(target: ModelConfig, exit_layer: int) -> ModelConfig:
     return dataclasses.replace(target, layers=exit_layer, kind="transformer")
 
 
-def op_seconds(model: ModelConfig, hw: HardwareConfig, tp: int, tokens: int, context: int,
+def op_seconds(model: ModelConfig, hw: HardwareConfig, *, tp: int, tokens: int, context: int,
                cal: Calibration = DEFAULT_CALIBRATION) -> dict[str, float]:
     """Time of one instance of each op of a whole-model forward (for calibration and tests)."""
     launch_s = hw.gpu.launch_us * 1e-6
     return {op.name: op.seconds(context, launch_s)
-            for op in forward_ops(model, hw, tp, tokens, None, cal)}
+            for op in forward_ops(model, hw, tp=tp, tokens=tokens, layers=None, cal=cal)}
 

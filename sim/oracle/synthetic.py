@@ -128,7 +128,7 @@ class SyntheticSequence(SequenceOracle):
         p_last, _ = self.lm.dists((ctx + guesses)[-2:])
         ps.append(p_last)
         step = speculative_step(torch.stack(ps), torch.stack(qs) if qs else torch.empty(0, self.lm.vocab),
-                                torch.tensor(guesses, dtype=torch.long), self.gen, uniforms=uniforms)
+                                draft_tokens=torch.tensor(guesses, dtype=torch.long), generator=self.gen, uniforms=uniforms)
         self.tokens.extend(step.tokens)
         return ChainOutcome(accepted=step.accepted, tokens=step.tokens, ratios=step.ratios,
                             proposed=len(guesses), dropped=dropped)

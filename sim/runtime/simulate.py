@@ -49,7 +49,7 @@ def make_requests(exp: ExperimentConfig) -> list[SimRequest]:
     return [SimRequest(i, pid, n, exp.workload.max_new_tokens) for i, (pid, n) in enumerate(zip(ids, lengths))]
 
 
-def simulate(exp: ExperimentConfig, requests: list[SimRequest], seed: int,
+def simulate(exp: ExperimentConfig, requests: list[SimRequest], *, seed: int,
              keep_spans: bool = True, extra: dict | None = None, oracle: TokenOracle | None = None,
              cost: CostModel | None = None) -> RunRecorder:
     """Run the schedule over the requests; schedules' summary fields go into `extra`. `oracle`,

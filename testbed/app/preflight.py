@@ -312,7 +312,7 @@ def preflight(args: list[str], composed: dict[str, Any] | None = None, warm_pool
         exps: list[ExperimentConfig] = []
         n = 0
         for params in _grids(cfg.hydra.sweeper):
-            n += _check_grid(cfg, params, dict(sweeps), parsed, plain, parser, exps, n)
+            n += _check_grid(cfg, params, sweeps=dict(sweeps), parsed=parsed, plain=plain, parser=parser, exps=exps, checked=n)
         _check_unused(user_keys, exps)
         from testbed.app.sweeps import remember_jobs
 
@@ -354,7 +354,7 @@ def _grids(sweeper: Any) -> list[dict[str, Any]]:
     return out or [params]
 
 
-def _check_grid(cfg: Any, params: dict[str, Any], sweeps: dict[str, Any], parsed: list, plain: list[str],  # type: ignore[type-arg]
+def _check_grid(cfg: Any, params: dict[str, Any], *, sweeps: dict[str, Any], parsed: list, plain: list[str],  # type: ignore[type-arg]
                 parser: Any, exps: list[ExperimentConfig], checked: int) -> int:
     """Validate the jobs of one grid (appended to ``exps``); returns how many it has."""
     plain_keys = {o.get_key_element() for o in parsed if not o.is_sweep_override()}

@@ -37,7 +37,7 @@ def load_sections(runs: list[Run]) -> None:
         import testbed.report.sections_validate  # noqa: F401  (sim vs real: validation.csv, parity)
 
 
-def build_report(paths: Iterable[Path | str], out_dir: Path | str, figures: bool = True,
+def build_report(paths: Iterable[Path | str], out_dir: Path | str, *, figures: bool = True,
                  workers: int = 1, pool: Callable[[int], dict[str, Any]] | None = None) -> Path:
     """Write report.md, report.html and figures into out_dir; return the report.md path.
     ``workers`` > 1 draws the sections' figures in that many processes (a sweep's report: most

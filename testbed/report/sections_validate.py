@@ -75,7 +75,7 @@ def validation_frame(runs: list[Run]) -> pd.DataFrame:
     out = wide.rename(columns={"sim": "predicted", "real": "measured"})
     out = out[[*VJOIN, "family", "metric", "predicted", "measured"]]
     out["error_pct"] = 100.0 * (out["predicted"] - out["measured"]) / out["measured"]
-    out = add_interval_columns(out, runs, JOIN, METRICS, run_split)
+    out = add_interval_columns(out, runs, join=JOIN, metrics=METRICS, split_of=run_split)
     order = {m: i for i, m in enumerate(METRICS)}
     out = out.sort_values(["metric", *VJOIN], key=lambda c: c.map(order) if c.name == "metric" else c)
     return out.reset_index(drop=True)
@@ -330,7 +330,7 @@ def validation(ctx: ReportContext) -> str:
     if len(own):
         own.to_csv(ctx.out_dir / "validation_own_acceptance.csv", index=False)
         lines += own_acceptance_lines(own, "validation_own_acceptance.csv")
-    lines += sizing_lines(ctx.runs, val, ctx.out_dir, TARGET_MEDIAN, TARGET_P90)
+    lines += sizing_lines(ctx.runs, val, out_dir=ctx.out_dir, goal_median=TARGET_MEDIAN, goal_p90=TARGET_P90)
     return "\n".join(lines)
 
 

@@ -96,7 +96,7 @@ def family_sizing(frame: pd.DataFrame, goal_median: float, goal_p90: float) -> p
     return pd.DataFrame(rows)
 
 
-def sizing_lines(runs: list[Run], val: pd.DataFrame, out_dir: Path, goal_median: float,
+def sizing_lines(runs: list[Run], val: pd.DataFrame, *, out_dir: Path, goal_median: float,
                  goal_p90: float) -> list[str]:
     """The report's paragraph and table, `validation_sampling.csv` beside them (nothing when no
     measured run has a trace-source run with per-request rounds)."""

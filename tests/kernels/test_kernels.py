@@ -28,7 +28,7 @@ def test_rms_norm_matches_definition() -> None:
 
 def test_rope_is_a_rotation_of_each_half_pair() -> None:
     d, theta = 8, 10000.0
-    cos, sin = reference.rope_tables(d, 32, theta)
+    cos, sin = reference.rope_tables(d, 32, theta=theta)
     x = torch.randn(1, 3, 2, d, generator=gen(2))  # [B, T, H, D]
     pos = torch.tensor([0, 5, 31])
     got = reference.apply_rope(x, cos[pos], sin[pos])

@@ -45,7 +45,7 @@ def test_serve_interleaved_measures_in_that_order_and_summarizes_every_pass() ->
         return rec
 
     extra: dict = {}
-    rec, base, fields = serve_interleaved("sync", 3, True, measure, extra, probe=False)
+    rec, base, fields = serve_interleaved("sync", 3, baseline=True, measure=measure, schedule_extra=extra, probe=False)
     assert calls == ["sync", "ar"] * 3
     assert extra == {"schedule_field": 1}  # the schedule's own fields come from the first pass
     assert rec.requests[0]["decode_s"] == pytest.approx(100 / 30.3) and base is not None

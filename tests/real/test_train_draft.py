@@ -152,7 +152,7 @@ def _brute_force_sync(prompt: list[int], n_tokens: int, gamma: int) -> tuple[lis
         for _ in range(gamma):
             guesses.append(_toy_draft(seq + guesses))
         p = _one_hot([_toy_target(seq + guesses[:j]) for j in range(gamma + 1)])
-        step = speculative_step(p, _one_hot(guesses), torch.tensor(guesses), gen)
+        step = speculative_step(p, _one_hot(guesses), draft_tokens=torch.tensor(guesses), generator=gen)
         accepted.append(step.accepted)
         seq += step.tokens
     return seq[len(prompt):], accepted

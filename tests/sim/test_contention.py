@@ -37,8 +37,8 @@ def test_async_forwards_are_slowed_by_the_measured_factor_and_sync_ones_not() ->
     for role, k, want in (("target", 1, 1.2), ("target", 4, 1.2 + 0.3 * 3 / 7), ("target", 16, 1.5),
                           ("draft", 4, 1.1)):
         assert busy.contention_factor(role, k) == pytest.approx(want)
-        got = busy._forward_unscaled(role, k, 256, None, "tree") - (busy._accept(k) if role == "target" else 0)
-        ref = plain._forward_unscaled(role, k, 256, None, "tree") - (plain._accept(k) if role == "target" else 0)
+        got = busy._forward_unscaled(role, k, context=256, layers=None, shape="tree") - (busy._accept(k) if role == "target" else 0)
+        ref = plain._forward_unscaled(role, k, context=256, layers=None, shape="tree") - (plain._accept(k) if role == "target" else 0)
         assert got == pytest.approx(ref * want)
     sync = _cost("sync", contended_profile())
     assert sync.contention_factor("target", 8) == 1.0

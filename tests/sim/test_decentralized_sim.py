@@ -46,7 +46,7 @@ def test_speedup_matches_dsd_closed_form(alpha: float, gamma: int, c: float, nod
     links = nodes if nodes > 1 else 0
     assert s["links_per_round_trip"] == links
     assert s["t0_ms"] == pytest.approx(t0) and s["t1_ms"] == pytest.approx(t1)
-    theory = dsd_speedup(alpha, gamma, c, t0, t1, links + 1)
+    theory = dsd_speedup(alpha, gamma, c=c, t0=t0, t1=t1, nodes=links + 1)
     assert s["theory_speedup"] == pytest.approx(theory)
     assert s["speedup"] == pytest.approx(theory, rel=0.03)
     assert s["alpha"] == pytest.approx(alpha, abs=0.02)
@@ -67,7 +67,7 @@ def test_round_trip_crosses_n_links() -> None:
     assert all_close(ar_rounds["end_s"] - ar_rounds["start_s"], 0.025 + 4 * 0.020)
     assert {"stage0", "stage3", "link stage3->stage0"} <= set(ar_tl["resource"])
     # read with N−1 links the formula can miss a closed loop by more than the 3% tolerance
-    assert abs(dsd_speedup(0.8, 4, 0.2, 25, 25, 2) / closed_loop_speedup(0.8, 4, 0.2, 25, 25, 2) - 1) > 0.03
+    assert abs(dsd_speedup(0.8, 4, c=0.2, t0=25, t1=25, nodes=2) / closed_loop_speedup(0.8, 4, c=0.2, t0=25, t1=25, links=2) - 1) > 0.03
 
 
 def test_timeline_has_stages_draft_and_links() -> None:

@@ -25,7 +25,7 @@ def test_json_total_equals_roofline(capsys: pytest.CaptureFixture[str], extra: l
                                     layers: tuple[int, int] | None) -> None:
     d = _json(capsys, [*ARGS, "format=json", *extra])
     m = dataclasses.replace(load_model_preset("llama3_70b"), quant="int4_awq")
-    r = forward_cost(m, load_hardware_preset("h800x8"), 4, 8, 512, layers)
+    r = forward_cost(m, load_hardware_preset("h800x8"), tp=4, tokens=8, context=512, layers=layers)
     assert d["total_ms"] == pytest.approx(r.total_s * 1e3, rel=1e-12)
     assert sum(d["breakdown_ms"].values()) == pytest.approx(d["total_ms"], rel=1e-9)
     assert set(d["breakdown_ms"]) == {"weights", "attention", "allreduce", "launch", "other"}

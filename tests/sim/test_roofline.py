@@ -48,12 +48,12 @@ def _exp(target: ModelConfig, draft: ModelConfig, tp: int = 4, dtp: int = 2,
 
 @pytest.mark.parametrize("label,ops,measured", calib.TABLE3, ids=[f"{i}-{r[0]}" for i, r in enumerate(calib.TABLE3)])
 def test_table3_operator_within_35pct(label: str, ops: tuple[str, ...], measured: float) -> None:
-    pred = calib.predict_us("llama3_70b", 4, calib.TABLE3_CONTEXT, ops, H800, DEFAULT_CALIBRATION)
+    pred = calib.predict_us("llama3_70b", 4, context=calib.TABLE3_CONTEXT, ops=ops, hw=H800, cal=DEFAULT_CALIBRATION)
     assert abs(pred / measured - 1) <= 0.35, (label, pred, measured)
 
 
 def test_table3_layer_total_within_15pct() -> None:
-    pred = sum(calib.predict_us("llama3_70b", 4, calib.TABLE3_CONTEXT, ops, H800, DEFAULT_CALIBRATION)
+    pred = sum(calib.predict_us("llama3_70b", 4, context=calib.TABLE3_CONTEXT, ops=ops, hw=H800, cal=DEFAULT_CALIBRATION)
                for _, ops, _ in calib.TABLE3)
     measured = sum(us for *_, us in calib.TABLE3)  # 131.2 us
     assert abs(pred / measured - 1) <= 0.15, (pred, measured)
@@ -65,13 +65,13 @@ def test_table7_row(model: str, tp: int) -> None:
     cells = [(("o_proj", "allreduce_attn"), 500, v[0:2]), (("down", "allreduce_mlp"), 500, v[2:4]),
              (("gate_up",), 500, v[4:6]), (("attention",), 500, v[6:7]), (("attention",), 1000, v[7:8])]
     for ops, ctx, measured in cells:
-        pred = calib.predict_us(model, tp, ctx, ops, H800, DEFAULT_CALIBRATION)
+        pred = calib.predict_us(model, tp, context=ctx, ops=ops, hw=H800, cal=DEFAULT_CALIBRATION)
         nearest = min(abs(pred / m - 1) for m in measured)
         assert nearest <= 0.35, (model, tp, ops, ctx, pred, measured)
 
 
 def test_table7_rms_error_at_most_25pct() -> None:
-    errs = [math.log(calib.predict_us(m, tp, c, ops, H800, DEFAULT_CALIBRATION) / us)
+    errs = [math.log(calib.predict_us(m, tp, context=c, ops=ops, hw=H800, cal=DEFAULT_CALIBRATION) / us)
             for label, m, tp, c, ops, us in calib.kernel_points() if label.startswith("T7")]
     assert math.sqrt(sum(e * e for e in errs) / len(errs)) <= math.log(1.25)
 
@@ -79,7 +79,7 @@ def test_table7_rms_error_at_most_25pct() -> None:
 @pytest.mark.parametrize("point", calib.forward_points(), ids=lambda p: p[0])
 def test_whole_forward_within_10pct(point: tuple) -> None:
     _, name, tp, tokens, ctx, ms = point
-    pred = forward_cost(_model(name), H800, tp, tokens, ctx).total_s * 1e3
+    pred = forward_cost(_model(name), H800, tp=tp, tokens=tokens, context=ctx).total_s * 1e3
     assert abs(pred / ms - 1) <= 0.10, (pred, ms)
 
 
@@ -100,19 +100,19 @@ def test_stored_constants_are_the_least_squares_fit() -> None:
 @pytest.mark.parametrize("small", ["llama3_2_1b", "llama3_2_3b"])
 def test_small_model_is_slower_on_4_gpus_than_on_2(small: str) -> None:
     # seed 002 §1 / Table 1: at batch 8 a Llama-3B draft takes longer on 4 GPUs than on 2
-    t2, t4 = (forward_cost(_model(small), H800, tp, 8, 512).total_s for tp in (2, 4))
+    t2, t4 = (forward_cost(_model(small), H800, tp=tp, tokens=8, context=512).total_s for tp in (2, 4))
     assert t4 > t2, (small, t2, t4)
 
 
 def test_70b_keeps_getting_faster_up_to_8_gpus() -> None:
     # ... while the 70B target still improves clearly (by more than 10% per doubling)
-    t = [forward_cost(_model("llama3_70b"), H800, tp, 8, 512).total_s for tp in (1, 2, 4, 8)]
+    t = [forward_cost(_model("llama3_70b"), H800, tp=tp, tokens=8, context=512).total_s for tp in (1, 2, 4, 8)]
     assert all(b < 0.9 * a for a, b in zip(t, t[1:])), t
 
 
 def test_tp_sync_grows_with_the_group() -> None:
     m = _model("llama3_2_3b")
-    sync = [sum(o.fixed_s for o in forward_ops(m, H800, tp, 8) if o.name == "tp_sync")
+    sync = [sum(o.fixed_s for o in forward_ops(m, H800, tp=tp, tokens=8) if o.name == "tp_sync")
             for tp in (1, 2, 4, 8)]
     assert sync[0] == 0.0 and sync[1] < sync[2] < sync[3], sync
 
@@ -128,10 +128,10 @@ GRID_MODELS = ["llama3_2_1b", "llama3_8b", "llama3_70b", "qwen2_72b", "starcoder
 def test_monotone_in_context_and_tokens(name: str, quant: str, tp: int) -> None:
     m = _model(name, quant)
     for tokens in (1, 8, 64, 512):
-        costs = [forward_cost(m, H800, tp, tokens, c).total_s for c in (0, 100, 1000, 1500)]
+        costs = [forward_cost(m, H800, tp=tp, tokens=tokens, context=c).total_s for c in (0, 100, 1000, 1500)]
         assert all(a < b for a, b in zip(costs, costs[1:])), (tokens, costs)
     for ctx in (0, 1000):
-        costs = [forward_cost(m, H800, tp, k, ctx).total_s for k in (1, 2, 8, 16, 64, 256)]
+        costs = [forward_cost(m, H800, tp=tp, tokens=k, context=ctx).total_s for k in (1, 2, 8, 16, 64, 256)]
         assert all(a <= b for a, b in zip(costs, costs[1:])), (ctx, costs)
 
 
@@ -141,19 +141,19 @@ def test_monotone_in_context_and_tokens(name: str, quant: str, tp: int) -> None:
                                     ["tiny_starcoder_168m", "starcoder_15b"]])
 @pytest.mark.parametrize("tp", [1, 4])
 def test_monotone_in_model_size(family: list[str], tp: int) -> None:
-    costs = [forward_cost(_model(n, "bf16"), H800, tp, 8, 512).total_s for n in family]
+    costs = [forward_cost(_model(n, "bf16"), H800, tp=tp, tokens=8, context=512).total_s for n in family]
     assert all(a < b for a, b in zip(costs, costs[1:])), costs
 
 
 @pytest.mark.parametrize("name", GRID_MODELS)
 def test_tensor_parallelism_adds_allreduce(name: str) -> None:
     m = _model(name, "bf16")
-    assert forward_cost(m, H800, 1, 8, 512).allreduce_s == 0.0
+    assert forward_cost(m, H800, tp=1, tokens=8, context=512).allreduce_s == 0.0
     for tp in (2, 4, 6, 8):
-        r = forward_cost(m, H800, tp, 8, 512)
+        r = forward_cost(m, H800, tp=tp, tokens=8, context=512)
         assert r.allreduce_s > 0 and r.link_bytes > 0
     # more GPUs: less weight streaming per GPU
-    assert forward_cost(m, H800, 8, 8, 512).weights_s < forward_cost(m, H800, 1, 8, 512).weights_s
+    assert forward_cost(m, H800, tp=8, tokens=8, context=512).weights_s < forward_cost(m, H800, tp=1, tokens=8, context=512).weights_s
 
 
 @pytest.mark.parametrize("quant", ["bf16", "int4_awq", "int8", "fp16"])
@@ -162,14 +162,14 @@ def test_70b_forward_of_up_to_16_tokens_is_memory_bound(quant: str, tp: int) -> 
     m = _model("llama3_70b", quant)
     for k in (1, 4, 16):
         for ctx in (0, 4096):
-            ops = forward_ops(m, H800, tp, k)
+            ops = forward_ops(m, H800, tp=tp, tokens=k)
             for op in ops:
                 if op.flops0 or op.flops_ctx:
                     mem = (op.bytes0 + op.bytes_ctx * ctx) / op.bw
                     comp = (op.flops0 + op.flops_ctx * ctx) / op.peak
                     assert mem >= comp, (op.name, k, ctx)
     # and a long prefill is compute-bound
-    big = forward_cost(m, H800, tp, 4096, 0)
+    big = forward_cost(m, H800, tp=tp, tokens=4096, context=0)
     assert big.compute_s > big.memory_s
 
 
@@ -179,18 +179,18 @@ def test_70b_forward_of_up_to_16_tokens_is_memory_bound(quant: str, tp: int) -> 
 def test_layer_ranges_sum_to_the_whole(name: str, stages: list[tuple[int, int]]) -> None:
     m = _model(name, "bf16")
     for tp in (1, 4):
-        whole = forward_cost(m, H800, tp, 8, 700)
-        parts = [forward_cost(m, H800, tp, 8, 700, layers=s) for s in stages]
+        whole = forward_cost(m, H800, tp=tp, tokens=8, context=700)
+        parts = [forward_cost(m, H800, tp=tp, tokens=8, context=700, layers=s) for s in stages]
         for f in ("total_s", "weights_s", "attention_s", "allreduce_s", "launch_s", "other_s",
                   "hbm_bytes", "flops"):
             assert sum(getattr(p, f) for p in parts) == pytest.approx(getattr(whole, f), rel=1e-12)
-        names = [{op.name for op in forward_ops(m, H800, tp, 8, s)} for s in stages]
+        names = [{op.name for op in forward_ops(m, H800, tp=tp, tokens=8, layers=s)} for s in stages]
         assert "embedding" in names[0] and all("embedding" not in n for n in names[1:])
         assert "lm_head" in names[-1] and all("lm_head" not in n for n in names[:-1])
 
 
 def test_breakdown_adds_up() -> None:
-    r = forward_cost(_model("llama3_70b"), H800, 4, 8, 512)
+    r = forward_cost(_model("llama3_70b"), H800, tp=4, tokens=8, context=512)
     parts = r.weights_s + r.attention_s + r.allreduce_s + r.launch_s + r.other_s
     assert parts == pytest.approx(r.total_s, rel=1e-12)
     assert min(r.weights_s, r.attention_s, r.allreduce_s, r.launch_s, r.other_s) > 0
@@ -199,7 +199,7 @@ def test_breakdown_adds_up() -> None:
 def test_gqa_and_mqa_kv_bytes() -> None:
     """KV traffic per context position follows KV heads (replicated when fewer than GPUs)."""
     def kv_slope(name: str, tp: int) -> float:
-        return next(op.bytes_ctx for op in forward_ops(_model(name, "bf16"), H800, tp, 1)
+        return next(op.bytes_ctx for op in forward_ops(_model(name, "bf16"), H800, tp=tp, tokens=1)
                     if op.name == "attention")
     assert kv_slope("llama3_70b", 1) == 2 * 8 * 128 * 2  # K+V, 8 KV heads, bf16
     assert kv_slope("llama3_70b", 8) == 2 * 1 * 128 * 2
@@ -209,10 +209,10 @@ def test_gqa_and_mqa_kv_bytes() -> None:
 
 def test_gelu_mlp_has_two_matrices() -> None:
     m = _model("starcoder_15b", "bf16")
-    gate_up = next(op for op in forward_ops(m, H800, 1, 1) if op.name == "gate_up")
+    gate_up = next(op for op in forward_ops(m, H800, tp=1, tokens=1) if op.name == "gate_up")
     assert gate_up.flops0 == 2 * m.hidden * m.ffn
     swiglu = dataclasses.replace(m, mlp="swiglu")
-    assert next(op for op in forward_ops(swiglu, H800, 1, 1) if op.name == "gate_up").flops0 == 4 * m.hidden * m.ffn
+    assert next(op for op in forward_ops(swiglu, H800, tp=1, tokens=1) if op.name == "gate_up").flops0 == 4 * m.hidden * m.ffn
 
 
 # ------------------------------------------------------------------------- the CostModel class
@@ -225,7 +225,7 @@ def test_registered_and_memoized_forward_is_exact() -> None:
         for tokens in (1, 8, 64, 512, 2048):  # large token counts put crossovers in range
             for layers in (None, (0, 7)) if role == "target" else (None,):
                 for ctx in (0, 1, 37, 500, 3000, 7000, 50_000):
-                    want = forward_cost(m, cm.hw, tp, tokens, ctx, layers).total_s
+                    want = forward_cost(m, cm.hw, tp=tp, tokens=tokens, context=ctx, layers=layers).total_s
                     assert cm.forward(role, tokens, ctx, layers) == pytest.approx(want, rel=1e-12)
                     assert cm.breakdown(role, tokens, ctx, layers).total_s == pytest.approx(want, rel=1e-12)
     # at least one memoized key has a compute/memory crossover inside the context range
@@ -237,10 +237,10 @@ def test_early_exit_and_ngram_drafts() -> None:
     t = _model("llama3_8b", "bf16")
     ee = ModelConfig(name="ee", kind="early_exit", exit_layer=8)
     cm = RooflineCost(_exp(t, ee, tp=4, dtp=1))
-    want = forward_cost(early_exit_model(t, 8), cm.hw, 4, 4, 100).total_s
+    want = forward_cost(early_exit_model(t, 8), cm.hw, tp=4, tokens=4, context=100).total_s
     assert cm.forward("draft", 4, 100) == pytest.approx(want, rel=1e-12)
     assert cm.forward("draft", 4, 100) < cm.forward("target", 4, 100)
-    ops = {op.name for op in forward_ops(early_exit_model(t, 8), cm.hw, 4, 4)}
+    ops = {op.name for op in forward_ops(early_exit_model(t, 8), cm.hw, tp=4, tokens=4)}
     assert "lm_head" in ops
     ng = RooflineCost(_exp(t, ModelConfig(name="ng", kind="ngram"), tp=4, dtp=1))
     assert ng.forward("draft", 4, 100) == NGRAM_FORWARD_S

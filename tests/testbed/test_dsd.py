@@ -33,17 +33,17 @@ def test_each_key_criterion_fires_on_its_own():
     p_t = torch.tensor([[0.9, 0.05, 0.05]])
     p_d = torch.tensor([[0.6, 0.2, 0.2]])
     ratio = math.log(0.6) / math.log(0.9)  # H_d / H_t = 4.85
-    assert key_tokens(p_t, p_d, tok, ratio - 0.1, 1.0, 0.0, topk=2).tolist() == [True]
-    assert key_tokens(p_t, p_d, tok, ratio + 0.1, 1.0, 0.0, topk=2).tolist() == [False]
+    assert key_tokens(p_t, p_d, tokens=tok, lambda1=ratio - 0.1, lambda2=1.0, lambda3=0.0, topk=2).tolist() == [True]
+    assert key_tokens(p_t, p_d, tokens=tok, lambda1=ratio + 0.1, lambda2=1.0, lambda3=0.0, topk=2).tolist() == [False]
     # probability gap |0.9 - 0.6| = 0.3
-    assert key_tokens(p_t, p_d, tok, math.inf, 0.29, 0.0, topk=2).tolist() == [True]
-    assert key_tokens(p_t, p_d, tok, math.inf, 0.31, 0.0, topk=2).tolist() == [False]
+    assert key_tokens(p_t, p_d, tokens=tok, lambda1=math.inf, lambda2=0.29, lambda3=0.0, topk=2).tolist() == [True]
+    assert key_tokens(p_t, p_d, tokens=tok, lambda1=math.inf, lambda2=0.31, lambda3=0.0, topk=2).tolist() == [False]
     # NormMatch: top-2 of p_t = {0, 1 or 2}, top-2 of p_d = {0, 1 or 2}
     p_d2 = torch.tensor([[0.6, 0.0, 0.4]])
     p_t2 = torch.tensor([[0.6, 0.4, 0.0]])
     assert norm_match(p_t2, p_d2, topk=2).tolist() == [0.5]
-    assert key_tokens(p_t2, p_d2, tok, math.inf, 1.0, 0.51, topk=2).tolist() == [True]
-    assert key_tokens(p_t2, p_d2, tok, math.inf, 1.0, 0.49, topk=2).tolist() == [False]
+    assert key_tokens(p_t2, p_d2, tokens=tok, lambda1=math.inf, lambda2=1.0, lambda3=0.51, topk=2).tolist() == [True]
+    assert key_tokens(p_t2, p_d2, tokens=tok, lambda1=math.inf, lambda2=1.0, lambda3=0.49, topk=2).tolist() == [False]
 
 
 def test_key_tokens_vectorized_and_certain_target_is_finite():
@@ -51,7 +51,7 @@ def test_key_tokens_vectorized_and_certain_target_is_finite():
     p_d = torch.tensor([[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]])
     toks = torch.tensor([0, 1])
     # row 0: H_t = 0, H_d = log 2 -> huge ratio (not NaN); row 1 identical distributions
-    assert key_tokens(p_t, p_d, toks, 1.5, 2.0, 0.0).tolist() == [True, False]
+    assert key_tokens(p_t, p_d, tokens=toks, lambda1=1.5, lambda2=2.0, lambda3=0.0).tolist() == [True, False]
 
 
 def test_norm_match_bounds():
@@ -99,7 +99,7 @@ def test_tau_zero_is_exactly_algorithm1():
     for _ in range(200):
         p, q, tokens = _draft(gen)
         state = gen.get_state()
-        ref = speculative_step(p, q, tokens, gen)
+        ref = speculative_step(p, q, draft_tokens=tokens, generator=gen)
         gen.set_state(state)
         got = dsd_verify(p, q, tokens, 0.0, 1.5, 0.3, 0.5, topk=3, generator=gen)
         assert (got.step.accepted, got.step.tokens) == (ref.accepted, ref.tokens)
@@ -112,7 +112,7 @@ def test_all_key_tokens_verify_strictly_whatever_tau():
     for _ in range(100):
         p, q, tokens = _draft(gen)
         state = gen.get_state()
-        ref = speculative_step(p, q, tokens, gen)
+        ref = speculative_step(p, q, draft_tokens=tokens, generator=gen)
         gen.set_state(state)
         got = dsd_verify(p, q, tokens, 0.8, **ALWAYS, generator=gen)
         assert (got.step.accepted, got.step.tokens) == (ref.accepted, ref.tokens)

@@ -51,7 +51,7 @@ def decode_chain(oracle: TokenOracle, gamma: int, n_tokens: int, gen: torch.Gene
             p_rows.append(oracle.p(ctx + tuple(drafted)))
             drafted.append(sample(q_rows[-1], gen))
         p_rows.append(oracle.p(ctx + tuple(drafted)))
-        step = speculative_step(torch.stack(p_rows), torch.stack(q_rows), torch.tensor(drafted), gen)
+        step = speculative_step(torch.stack(p_rows), torch.stack(q_rows), draft_tokens=torch.tensor(drafted), generator=gen)
         assert step.tokens[:-1] == drafted[: step.accepted]
         out += step.tokens
         ctx += tuple(step.tokens)
@@ -91,7 +91,7 @@ def test_rejection_and_acceptance_are_exact_on_a_hand_case():
     q = torch.tensor([[1.0, 0.0, 0.0]])
     # guess 0 accepted with probability 0.2; on rejection the residual is token 1 only
     gen = torch.Generator().manual_seed(0)
-    steps = [speculative_step(p, q, torch.tensor([0]), gen) for _ in range(4000)]
+    steps = [speculative_step(p, q, draft_tokens=torch.tensor([0]), generator=gen) for _ in range(4000)]
     accepted = [s for s in steps if s.accepted == 1]
     assert all(s.tokens == [0, 2] for s in accepted)
     assert all(s.tokens == [1] for s in steps if s.accepted == 0)
