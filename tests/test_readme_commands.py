@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.processes import live_descendants
+from tests.helpers.processes import live_descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

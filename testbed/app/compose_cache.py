@@ -10,7 +10,7 @@ one cache of loaded configs — the cache Hydra keeps for a single composition, 
 Hydra merges a loaded config into the composed one without copying its nodes
 (``no_deepcopy_set_nodes``), and later merges change those nodes in place: a config loaded to be
 merged is therefore handed out as a copy, while one read only for its defaults list and header
-(most reads) is not. tests/test_compose_cache.py composes every job of the shipped sweeps with
+(most reads) is not. tests/testbed/app/test_compose_cache.py composes every job of the shipped sweeps with
 and without the cache and compares them. Hydra's internals may change: if they are not as
 expected, composition goes on uncached.
 """

@@ -8,7 +8,7 @@ work for every one of simulation). Jobs that differ only in plain values (`sched
 values: this loader composes the group choices once, and for each job applies its values to a
 copy (~4 ms) and sets what Hydra derives from a job's overrides (`hydra.overrides.task`,
 `hydra.job.override_dirname`). A job with a Hydra override, an addition or a deletion is
-composed by Hydra itself. `tests/test_sweep_job_configs.py` holds jobs of every bundled sweep
+composed by Hydra itself. `tests/testbed/app/test_sweep_job_configs.py` holds jobs of every bundled sweep
 to Hydra's own composition.
 
 GridsSweeper (hydra_plugins/specbed_sweeper) installs it for every launcher and checks its jobs

@@ -91,7 +91,7 @@ def test_registry_dispatches_and_resets() -> None:
     try:
         kernels.register("attention", fake)
         assert kernels.get("attention") is fake
-        from tests.real_models import tiny
+        from tests.helpers.real_models import tiny
 
         tiny()(torch.tensor([[1, 2, 3]]), 0)
         assert len(calls) == 4  # once per layer of the tiny model

@@ -17,8 +17,8 @@ from testbed.links import TREE_NODE_BYTES, TREE_TIMES_BYTES, subtree_message_byt
 from testbed.placement import link_name
 from testbed.spec.tree import DraftTree
 from tests.conftest import compose_exp
-from tests.processes import live_workers
-from tests.test_cost_profile_tp import profile_with_tp
+from tests.helpers.processes import live_workers
+from tests.sim.test_cost_profile_tp import profile_with_tp
 
 VOCAB = 50
 

@@ -20,8 +20,8 @@ from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams
 from testbed.spec.tree_drafter import MAX_ASYNC_DEPTH, AsyncDepth
 from tests.conftest import compose_exp
-from tests.real_models import tiny
-from tests.test_cost_profile_tp import profile_with_tp
+from tests.helpers.real_models import tiny
+from tests.sim.test_cost_profile_tp import profile_with_tp
 
 
 def test_the_first_round_takes_the_probes_d_later_rounds_the_medians_of_their_own_times() -> None:

@@ -10,7 +10,7 @@ import torch
 
 from real.calibrate.tp import SHAPES, TpGrid, measure_tp, tree_mask
 from tests.conftest import compose_exp
-from tests.tiny_checkpoint import write_tiny_checkpoint
+from tests.helpers.tiny_checkpoint import write_tiny_checkpoint
 
 
 def test_tree_mask_sees_context_ancestors_and_itself() -> None:

@@ -12,7 +12,7 @@ import torch
 from real.model.cuda_graphs import GraphedForwards
 from real.model.decoder import Transformer
 from real.model.runners import chain_logits
-from tests.real_models import TINY
+from tests.helpers.real_models import TINY
 
 
 def _model(device: str = "cpu") -> Transformer:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from real.model.decoder import Transformer
-from tests.real_models import bundled, tiny
+from tests.helpers.real_models import bundled, tiny
 
 # logits agree up to the summation order of GEMMs with different numbers of rows
 ATOL = {"tiny": 1e-5, "bundled": 5e-4}

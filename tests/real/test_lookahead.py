@@ -22,8 +22,8 @@ from testbed.config import ConfigError
 from testbed.spec.lookahead import CHOSEN, FEATURES, Decision, DiscoClassifier, make_lookahead
 from testbed.spec.sampling import SamplingParams, standardize
 from tests.conftest import compose_exp, run_cli
-from tests.real_models import TINY, tiny
-from tests.test_real_engine import _ctx, _outputs
+from tests.helpers.real_models import TINY, tiny
+from tests.real.test_real_engine import _ctx, _outputs
 
 POLICIES = ("static", "heuristic", "confidence", "disco", "oracle")
 

@@ -12,7 +12,7 @@ import torch
 
 from real.model.generate import greedy_generate
 from real.model.weights import build_model, load_checkpoint_dir
-from tests.real_models import bundled, hf_model
+from tests.helpers.real_models import bundled, hf_model
 
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],

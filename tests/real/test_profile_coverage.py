@@ -26,7 +26,7 @@ from testbed.app.preflight import preflight
 from testbed.app.sweeps import checked_jobs
 from testbed.config import real_dtype
 from tests.conftest import ROOT, compose_exp
-from tests.test_cost_profile_tp import TABLES, profile_with_tp
+from tests.sim.test_cost_profile_tp import TABLES, profile_with_tp
 
 PAIR = "pair=smollm2_135m+smollm2_draft"
 

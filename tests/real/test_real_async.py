@@ -1,7 +1,7 @@
 """backend=real schedule=async (real/schedules/async_tree.py, real/runtime/async_run.py): two device
 groups running SwiftSpec Algorithm 1 concurrently.
 
-Multi-process runs use tiny random checkpoints (tests/tiny_checkpoint.py); the sampling test and
+Multi-process runs use tiny random checkpoints (tests/helpers/tiny_checkpoint.py); the sampling test and
 the compaction test drive the two worker functions in this process (LoopbackTransport, threads,
 or a scripted peer)."""
 
@@ -25,10 +25,10 @@ from real.runtime.links import Kind, LoopbackTransport, Message
 from real.schedules.async_tree import Peer, Side, draft_worker, target_worker, unpack_batch
 from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams
-from tests import async_workers as aw
 from tests.conftest import compose_exp
-from tests.processes import assert_promised_files, live_workers
-from tests.real_models import (
+from tests.helpers import async_workers as aw
+from tests.helpers.processes import assert_promised_files, live_workers
+from tests.helpers.real_models import (
     TINY,
     TWO_TOKEN_PROMPT,
     exact_two_token_law,
@@ -36,7 +36,7 @@ from tests.real_models import (
     two_token_pair,
     two_token_tv,
 )
-from tests.tiny_checkpoint import write_tiny_checkpoint
+from tests.helpers.tiny_checkpoint import write_tiny_checkpoint
 
 two_cores = pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2,
                                reason="needs two cores (one worker per core)")

@@ -17,7 +17,7 @@ from real.schedules.sync import serve_sync
 from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams, standardize
 from tests.conftest import compose_exp, run_cli
-from tests.real_models import TINY, tiny
+from tests.helpers.real_models import TINY, tiny
 
 
 def _ctx(exp, target, draft, params, eos=frozenset()) -> RealContext:  # type: ignore[no-untyped-def]

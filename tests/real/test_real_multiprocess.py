@@ -9,8 +9,8 @@ import pytest
 
 from real.runtime.engine import run
 from tests.conftest import compose_exp
-from tests.processes import assert_promised_files, live_descendants, live_workers
-from tests.tiny_checkpoint import write_tiny_checkpoint
+from tests.helpers.processes import assert_promised_files, live_descendants, live_workers
+from tests.helpers.tiny_checkpoint import write_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2,
                                 reason="needs two cores (one worker per core)")

@@ -1,7 +1,7 @@
 """backend=real schedule=decentralized (DSD) and `ar` over a pipeline of stage processes
 (real/runtime/pipeline.py, real/runtime/pipeline_run.py, real/schedules/decentralized.py).
 
-Multi-process runs use tiny random checkpoints (tests/tiny_checkpoint.py); the sampling test
+Multi-process runs use tiny random checkpoints (tests/helpers/tiny_checkpoint.py); the sampling test
 drives the stage functions in this process (two threads joined by LoopbackTransports)."""
 
 from __future__ import annotations
@@ -30,11 +30,16 @@ from testbed.recorder import RunRecorder
 from testbed.spec.dsd import draft_params
 from testbed.spec.sampling import SamplingParams, standardize
 from testbed.theory import expected_tokens
-from tests import pipeline_workers as pw
 from tests.conftest import compose_exp
-from tests.processes import assert_promised_files, live_workers
-from tests.real_models import TWO_TOKEN_PROMPT, exact_two_token_law, two_token_pair, two_token_tv
-from tests.tiny_checkpoint import write_tiny_checkpoint
+from tests.helpers import pipeline_workers as pw
+from tests.helpers.processes import assert_promised_files, live_workers
+from tests.helpers.real_models import (
+    TWO_TOKEN_PROMPT,
+    exact_two_token_law,
+    two_token_pair,
+    two_token_tv,
+)
+from tests.helpers.tiny_checkpoint import write_tiny_checkpoint
 
 LAYERS = 4
 

@@ -16,7 +16,7 @@ from real.schedules.sync_tree import serve_sync_tree
 from testbed.spec.sampling import SamplingParams
 from testbed.spec.tree_drafter import TreeDrafter
 from tests.conftest import compose_exp
-from tests.real_models import (
+from tests.helpers.real_models import (
     TINY,
     TWO_TOKEN_PROMPT,
     exact_two_token_law,
@@ -24,7 +24,7 @@ from tests.real_models import (
     two_token_pair,
     two_token_tv,
 )
-from tests.test_real_engine import _ctx, _outputs
+from tests.real.test_real_engine import _ctx, _outputs
 
 
 def _requests(n: int, new_tokens: int) -> list[RealRequest]:

@@ -9,7 +9,7 @@ from real.runtime.repeats import changed, serve_interleaved
 from testbed.recorder import RunRecorder
 from testbed.repeats import interleaved_order, repeat_summary
 from tests.conftest import compose_exp
-from tests.tiny_checkpoint import write_tiny_checkpoint
+from tests.helpers.tiny_checkpoint import write_tiny_checkpoint
 
 
 def test_order_alternates_and_puts_the_baseline_between_the_others() -> None:

@@ -1,6 +1,6 @@
 """real/runtime/launch.py: spawned workers on torch.distributed (gloo), emulated links, faults.
 
-No model: tiny worker functions (tests/runtime_workers.py). Every test asserts that no worker
+No model: tiny worker functions (tests/helpers/runtime_workers.py). Every test asserts that no worker
 process is left behind.
 """
 
@@ -23,9 +23,9 @@ from real.runtime.launch import launch, merge_records
 from testbed.config import ExperimentConfig
 from testbed.links import LinkDelays
 from testbed.placement import make_placement
-from tests import runtime_workers as rw
 from tests.conftest import ROOT, compose_exp
-from tests.processes import live_workers
+from tests.helpers import runtime_workers as rw
+from tests.helpers.processes import live_workers
 
 
 def _real(*overrides: str) -> ExperimentConfig:
@@ -93,7 +93,7 @@ import sys
 import testbed.app.main as app
 from real.runtime.launch import launch
 from testbed.compose import register_configs
-from tests.runtime_workers import fail
+from tests.helpers.runtime_workers import fail
 # the CLI's error path with a run whose draft worker is SIGKILLed mid-run
 if __name__ == "__main__":
     stamp = sys.argv.pop()
@@ -156,7 +156,7 @@ TORCHRUN = """
 import os
 from tests.conftest import compose_exp
 from real.runtime.launch import launch, is_writer
-from tests.runtime_workers import ping_pong
+from tests.helpers.runtime_workers import ping_pong
 exp = compose_exp("schedule=async", "hardware=local", "placement.target_gpus=1", "placement.draft_gpus=1")
 exp.backend = "real"
 res = launch(exp, ping_pong, args=(3,))
@@ -169,7 +169,7 @@ LAUNCHER = """
 import sys
 from tests.conftest import compose_exp
 from real.runtime.launch import launch
-from tests.runtime_workers import sleep_forever
+from tests.helpers.runtime_workers import sleep_forever
 if __name__ == "__main__":
     exp = compose_exp("hardware=local", "placement.target_gpus=2", "placement.draft_gpus=2")
     exp.backend = "real"
@@ -209,7 +209,7 @@ def test_ctrl_c_in_the_launcher_ends_every_worker(tmp_path: Path) -> None:
 BARS = """
 from tests.conftest import compose_exp
 from real.runtime.launch import launch
-from tests.runtime_workers import progress_bar
+from tests.helpers.runtime_workers import progress_bar
 if __name__ == "__main__":
     exp = compose_exp("hardware=local", "placement.target_gpus=2", "placement.draft_gpus=2")
     exp.backend = "real"

@@ -13,7 +13,7 @@ from real.calibrate.sampling import measure_sampling
 from sim.cost.profile import ProfileCost
 from testbed.spec.sampling import SAMPLING_MODES, SamplingParams, sampling_mode
 from tests.conftest import compose_exp
-from tests.test_cost_profile import make_profile
+from tests.sim.test_cost_profile import make_profile
 
 PAIR = ("pair=smollm2_135m+smollm2_exit10", "hardware=local", "sim.cost_model=profile")
 # seconds per distribution: distinct per mode so a mix-up shows

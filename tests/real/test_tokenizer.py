@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from real.model.tokenizer import CHATML, Tokenizer, render_chat_template
-from tests.real_models import bundled, hf_tokenizer
+from tests.helpers.real_models import bundled, hf_tokenizer
 
 TEXTS = [
     "Hello world, how are you?",

@@ -210,7 +210,7 @@ def test_shm_allreduce_times_out_naming_the_peer(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------- the bundled model
 def _bundled_sharded(rank: int, world: int, out: Path) -> None:
     from real.model.tp import apply_tp
-    from tests.real_models import bundled
+    from tests.helpers.real_models import bundled
 
     model, tok = bundled()
     apply_tp(model, rank=rank, world=world, allreduce="shm")
@@ -231,7 +231,7 @@ def _bundled_run(model: Transformer, tok) -> dict[str, torch.Tensor]:
 @pytest.mark.model
 @pytest.mark.slow  # ~40 s quiet; the tiny-model TP tests above run by default
 def test_bundled_tp2_equals_tp1(tmp_path: Path) -> None:
-    from tests.real_models import bundled
+    from tests.helpers.real_models import bundled
 
     expect = _bundled_run(*bundled())
     spawn(_bundled_sharded, tmp_path)

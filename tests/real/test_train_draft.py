@@ -22,7 +22,7 @@ from testbed.paths import repo_path
 from testbed.spec.sampling import SamplingParams, standardize
 from testbed.spec.speculative import speculative_step
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "models" / "smollm2-draft"
 TINY_ARCH = dict(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=96, vocab_size=49152,
                  max_seq_len=256)

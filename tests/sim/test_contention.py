@@ -13,8 +13,8 @@ import pytest
 from sim.cost.profile import ProfileCost
 from testbed.config import real_dtype
 from tests.conftest import compose_exp
-from tests.processes import live_workers
-from tests.test_cost_profile_tp import profile_with_tp
+from tests.helpers.processes import live_workers
+from tests.sim.test_cost_profile_tp import profile_with_tp
 
 FACTOR = {"k": [1, 8], "context": 256, "factor": [1.2, 1.5]}
 
@@ -61,7 +61,7 @@ def test_sim_async_reports_the_contention_it_used(tmp_path: Path) -> None:
 @pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2, reason="needs two cores")
 def test_contention_is_measured_with_two_pinned_workers(tmp_path: Path) -> None:
     from real.calibrate.contention import ContentionGrid, measure_contention
-    from tests.tiny_checkpoint import write_tiny_checkpoint
+    from tests.helpers.tiny_checkpoint import write_tiny_checkpoint
 
     target = write_tiny_checkpoint(tmp_path / "t", seed=1, layers=2)
     draft = write_tiny_checkpoint(tmp_path / "d", seed=2, layers=1)
@@ -83,7 +83,7 @@ def test_async_prediction_replays_the_async_run_before_a_serial_tree(tmp_path: P
     import json
 
     from sim.oracle.trace import select_trace_runs
-    from tests.test_cost_profile_tp import BUDGET, WIDTH, write_tree_run
+    from tests.sim.test_cost_profile_tp import BUDGET, WIDTH, write_tree_run
 
     write_tree_run(tmp_path / "tree", [[0] * 39 + [0]])
     write_tree_run(tmp_path / "async", [[0] * 39 + [0]])

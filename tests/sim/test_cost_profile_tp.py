@@ -15,7 +15,7 @@ from testbed.config import ConfigError
 from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import write_run
 from tests.conftest import compose_exp
-from tests.test_cost_profile import CTX, TARGET, K, make_profile
+from tests.sim.test_cost_profile import CTX, TARGET, K, make_profile
 
 TP_K = [1, 4, 16]
 TP_CTX = [64, 512]
@@ -173,7 +173,7 @@ def test_trace_replays_a_serial_tree_runs_accepted_counts(tmp_path: Path) -> Non
 
 
 def test_trace_of_chains_does_not_drive_a_tree(tmp_path: Path) -> None:
-    from tests.test_oracle_trace import write_trace_run
+    from tests.sim.test_oracle_trace import write_trace_run
 
     write_trace_run(tmp_path / "chain", gamma=3, split="trace")
     exp = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "sim.cost_model=analytic",

@@ -14,7 +14,7 @@ from sim.runtime.prediction_interval import resample_traces
 from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import write_run
 from tests.conftest import compose_exp
-from tests.test_oracle_trace import N_TOKENS, sim_exp, write_trace_run
+from tests.sim.test_oracle_trace import N_TOKENS, sim_exp, write_trace_run
 
 
 def test_resampling_draws_requests_then_their_own_rounds() -> None:

@@ -14,7 +14,7 @@ from testbed.config_validate import validate
 from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.results import write_run
 from tests.conftest import compose_exp
-from tests.test_cost_profile import make_profile
+from tests.sim.test_cost_profile import make_profile
 
 BASE = ("hardware=local", "schedule.gamma=3", "workload=humaneval", "workload.num_prompts=2",
         "workload.max_new_tokens=24")
@@ -69,7 +69,7 @@ def test_the_drafts_probe_is_compared_without_the_pick_its_table_includes(tmp_pa
     """The draft's table times forward + pick (argmax, or a draw at T = 1); the run's probe times
     the forward alone. A machine exactly as profiled must give the draft a factor of 1 at both
     temperatures (it was ~0.7 at T = 1 when the draw was left in the reference)."""
-    from tests.test_cost_profile import DRAFT
+    from tests.sim.test_cost_profile import DRAFT
 
     profile = make_profile()
     pick = profile["models"]["smollm2_135m"]["pick"]
@@ -117,7 +117,7 @@ def test_a_run_probes_the_target_at_every_size_the_prediction_reads() -> None:
     from real.model.decoder import ModelArgs
     from sim.cost.run_probe import FIELDS
     from testbed.spec.sampling import SamplingParams
-    from tests.real_models import TINY, tiny
+    from tests.helpers.real_models import TINY, tiny
 
     model = tiny(args=ModelArgs(**{**TINY.__dict__, "max_seq_len": 128}))
     probe = RunProbe(target_probes(model, SamplingParams()))

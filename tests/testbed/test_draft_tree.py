@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from testbed.spec.sampling import SamplingParams, standardize
 from testbed.spec.tree import DraftTree
-from tests.spec_oracle import single_thread
+from tests.helpers.spec_oracle import single_thread
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -10,7 +10,7 @@ import torch
 from testbed.spec.dsd import dsd_verify, key_tokens, norm_match, soften
 from testbed.spec.sampling import sample
 from testbed.spec.speculative import speculative_step
-from tests.spec_oracle import single_thread, tv_distance
+from tests.helpers.spec_oracle import single_thread, tv_distance
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -105,7 +105,7 @@ def test_a_real_run_reports_pass_at_1(tmp_path: Path) -> None:
     from real.backend import run
     from testbed.results import write_run
     from tests.conftest import compose_exp
-    from tests.tiny_checkpoint import write_tiny_checkpoint
+    from tests.helpers.tiny_checkpoint import write_tiny_checkpoint
 
     target = write_tiny_checkpoint(tmp_path / "target", seed=1, layers=2)
     draft = write_tiny_checkpoint(tmp_path / "draft", seed=2, layers=2, base=target, noise=0.02)

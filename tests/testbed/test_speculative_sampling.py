@@ -14,7 +14,7 @@ import torch
 import testbed.spec.speculative as speculative
 from testbed.spec.sampling import SamplingParams, sample, standardize
 from testbed.spec.speculative import speculative_step
-from tests.spec_oracle import TokenOracle, single_thread, tv_distance
+from tests.helpers.spec_oracle import TokenOracle, single_thread, tv_distance
 
 
 @pytest.fixture(autouse=True, scope="module")

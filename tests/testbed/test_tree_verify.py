@@ -18,7 +18,7 @@ import testbed.spec.tree_verify as tree_verify
 from testbed.spec.sampling import SamplingParams
 from testbed.spec.tree import DraftTree
 from testbed.spec.tree_verify import verify_greedy, verify_sampled, verify_tree
-from tests.spec_oracle import TokenOracle, single_thread, tv_distance
+from tests.helpers.spec_oracle import TokenOracle, single_thread, tv_distance
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -31,7 +31,7 @@ def sweep_jobs(sweep: str) -> list[list[str]]:
 
 
 def test_gpu_split_composes_every_split_for_every_pair() -> None:
-    from tests.test_gpu_split_measured import _grid
+    from tests.testbed.report.test_gpu_split_measured import _grid
 
     only, grid = _grid()  # the grid named sim_h800x8 (GridsSweeper)
     assert only == "sim_h800x8"

@@ -118,7 +118,7 @@ def test_while_the_workers_warm_the_main_process_imports_what_the_report_needs()
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     p = subprocess.run([sys.executable, "-c", WAIT_IMPORTS], cwd=root, capture_output=True, text=True,
                        timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
     assert p.returncode == 0, p.stderr[-2000:]
@@ -222,5 +222,5 @@ def test_seaborn_is_imported_without_scipy_and_scipy_still_works() -> None:
             "import scipy.stats; print(scipy.stats.norm.cdf(0.0)); "
             "import seaborn._statistics as s; print(s._no_scipy, seaborn() is sns)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1]).stdout.split()
+                         cwd=Path(__file__).resolve().parents[3]).stdout.split()
     assert out == ["False", "False", "0.5", "True", "True"]

@@ -18,7 +18,7 @@ from testbed.report.sections_split import split_pairs
 from testbed.report.sections_validate import validation_frame
 from testbed.results import find_runs
 from tests.conftest import CONF, compose_exp, run_cli
-from tests.test_sweeper import jobs
+from tests.testbed.app.test_sweeper import jobs
 
 KEY = {"pair": "smollm2_135m+smollm2_draft", "hardware": "local", "nodes": 1, "workload": "humaneval",
        "temperature": 0.0, "seed": 0}

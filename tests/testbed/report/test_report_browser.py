@@ -21,7 +21,7 @@ from sim.runtime.engine import run
 from testbed.report import build_report
 from testbed.results import write_run
 from tests.conftest import compose_exp
-from tests.report_checks import clipped_figures, write_prompts_run
+from tests.helpers.report_checks import clipped_figures, write_prompts_run
 
 MAX_ASPECT = 4.0
 MAX_WIDTH_PX = 1600

@@ -14,7 +14,12 @@ from testbed.recorder import RequestRecord, RunRecorder, RunResult
 from testbed.report import build_report, markdown_table, to_html
 from testbed.results import write_run
 from tests.conftest import compose_exp
-from tests.report_checks import clipped_figures, raw_markdown_lines, visible_text, write_prompts_run
+from tests.helpers.report_checks import (
+    clipped_figures,
+    raw_markdown_lines,
+    visible_text,
+    write_prompts_run,
+)
 
 
 def test_a_header_with_pipes_stays_a_table() -> None:

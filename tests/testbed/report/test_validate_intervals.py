@@ -14,7 +14,7 @@ import pytest
 from testbed.report import build_report
 from testbed.report.sections_validate import validation_frame
 from testbed.results import find_runs
-from tests.test_validation_report import write_fake_run
+from tests.testbed.report.test_validation_report import write_fake_run
 
 
 def _add(run: Path, **fields: object) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import compose_exp
-from tests.test_cost_profile import make_profile
+from tests.sim.test_cost_profile import make_profile
 
 BASE = ("pair=smollm2_135m+smollm2_exit10", "hardware=local", "schedule.gamma=4", "workload=humaneval",
         "workload.num_prompts=1", "workload.max_new_tokens=16")
