@@ -4,7 +4,7 @@ real serial tree (TP over all cores) and `ar`, on the bundled pair, paired per p
     PYTHONPATH=. .venv/bin/python benchmarks/bench_async.py [--prompts 3] [--tokens 64]
         [--gammas 2 3 4] [--out FILE.json] [-- extra overrides]
 
-Every run goes through ``real.engine.run`` exactly as ``python -m testbed backend=real`` does.
+Every run goes through ``real.runtime.engine.run`` exactly as ``python -m testbed backend=real`` does.
 Per prompt and schedule: decode tokens/s; per schedule: tokens per verification
 (mean_accepted_len), and for async the share of decode time spent on transport and bookkeeping
 (messages, subtree selection and packing, re-root + KV compaction; measured on the leaders).
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose_exp(overrides: list[str]):  # -> testbed.config.ExperimentConfig
-    from testbed.config import compose_experiment
+    from testbed.compose import compose_experiment
 
     return compose_experiment(overrides)
 
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    from real.engine import run
+    from real.runtime.engine import run
 
     common = ["backend=real", "workload.split=test", f"workload.num_prompts={a.prompts}",
               f"workload.max_new_tokens={a.tokens}", "sampling.temperature=0", "real.ignore_eos=true",

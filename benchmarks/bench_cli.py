@@ -32,10 +32,10 @@ import json, sys, time, tempfile
 from pathlib import Path
 t = time.perf_counter()
 out = {}
-import testbed.app as app
-import sim.engine  # noqa: F401  (the simulator: imported by every simulated run)
+import testbed.app.main as app
+import sim.runtime.engine  # noqa: F401  (the simulator: imported by every simulated run)
 out["imports_s"] = time.perf_counter() - t
-from testbed.preflight import preflight
+from testbed.app.preflight import preflight
 t = time.perf_counter(); preflight([])
 out["preflight_default_s"] = time.perf_counter() - t
 t = time.perf_counter(); preflight(["+sweep=wan"])

@@ -14,9 +14,9 @@ import random
 import sys
 import time
 
-from sim.cost_roofline import RooflineCost
+from sim.cost.roofline import RooflineCost
+from sim.cost.roofline_forward import forward_cost
 from sim.presets import load_hardware_preset, load_model_preset
-from sim.roofline import forward_cost
 from testbed.config import ExperimentConfig, PairConfig, PlacementConfig
 
 
@@ -49,7 +49,7 @@ def main(calls: int = 200_000) -> None:
     n = 2000
     for r, k, c, s in pattern[:n]:
         m, tp = (t, 6) if r == "target" else (d, 2)
-        forward_cost(m, exp.hardware, tp, k, c, s)
+        forward_cost(m, exp.hardware, tp=tp, tokens=k, context=c, layers=s)
     plain = (time.perf_counter() - t0) / n * 1e6
     print(f"RooflineCost.forward, memoized: {hot:8.3f} us/call  ({calls} calls, {len(cm._memo)} keys)")
     print(f"first call of a new key:        {cold:8.1f} us")

@@ -1,4 +1,4 @@
-"""Batch-1 autoregressive decode speed of real.model.Transformer against the memory-bandwidth limit.
+"""Batch-1 autoregressive decode speed of real.model.decoder.Transformer against the memory-bandwidth limit.
 
     .venv/bin/python benchmarks/bench_decode.py [--dtype fp32|bf16] [--new-tokens 128] [--runs 5]
                                                 [--threads N] [--cpus 0] [--ablate] [--hf]
@@ -38,9 +38,9 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import cpu, native, reference
-from real.model import Transformer
-from real.runners import prefill
-from real.weights import load_model
+from real.model.decoder import Transformer
+from real.model.runners import prefill
+from real.model.weights import load_model
 
 PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -177,7 +177,7 @@ ABLATIONS: dict[str, dict[str, Callable]] = {
 }
 
 
-def run_ablations(model: Transformer, prompt_ids: list[int], new_tokens: int, runs: int,
+def run_ablations(model: Transformer, prompt_ids: list[int], *, new_tokens: int, runs: int,
                   baseline: float) -> dict[str, float]:
     out: dict[str, float] = {}
 
@@ -215,7 +215,7 @@ def hf_generate_tokens_per_s(prompt_ids: list[int], new_tokens: int, runs: int) 
     """transformers' generate() on the bundled GGUF (decode only: a 1-token call subtracted)."""
     from transformers import AutoModelForCausalLM
 
-    from real.weights import bundled_gguf_path
+    from real.model.weights import bundled_gguf_path
 
     path = bundled_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
                "median_step_fraction_of_read_bw": step_gbs / read_gbs, "load_start": start}
     if args.ablate:
         print(f"ablations (best of {max(2, args.runs // 2)} runs each):")
-        summary["ablations"] = run_ablations(model, prompt_ids, args.new_tokens, max(2, args.runs // 2), tps)
+        summary["ablations"] = run_ablations(model, prompt_ids, new_tokens=args.new_tokens, runs=max(2, args.runs // 2), baseline=tps)
     if args.hf:
         hf_tps = hf_generate_tokens_per_s(prompt_ids, args.new_tokens, 2)
         summary["hf_generate_tokens_per_s"] = hf_tps

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose_exp(overrides: list[str]):  # -> testbed.config.ExperimentConfig
-    from testbed.config import compose_experiment
+    from testbed.compose import compose_experiment
 
     return compose_experiment(overrides)
 
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    from real.engine import run
+    from real.runtime.engine import run
     from testbed.metrics import divergence
 
     common = ["backend=real", "schedule=decentralized", f"placement.nodes={a.nodes}", "network=wan",

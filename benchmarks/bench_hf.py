@@ -5,7 +5,7 @@
                                             [--draft DIR] [--no-hf] [--out FILE.json]
 
 Rows (greedy, batch 1, every row generates exactly ``--new-tokens`` tokens: EOS ignored):
-- ours ``ar`` and ours ``sync`` (γ = ``--gamma``): ``real.engine.run`` on the experiment
+- ours ``ar`` and ours ``sync`` (γ = ``--gamma``): ``real.runtime.engine.run`` on the experiment
   ``backend=real pair=smollm2_135m+smollm2_draft workload=humaneval`` (the testbed's own
   metric: generated tokens / decode wall time per request, prefill excluded, mean over requests);
 - HF ``generate()``: transformers' LlamaForCausalLM loaded from the same bundled GGUF;
@@ -50,7 +50,7 @@ DRAFT_DIR = ROOT / "models" / "smollm2-draft"
 # ------------------------------------------------------------------------------ setup
 def compose_exp(overrides: list[str]):  # -> testbed.config.ExperimentConfig
     """The experiment exactly as ``python -m testbed OVERRIDES`` would compose it."""
-    from testbed.config import compose_experiment
+    from testbed.compose import compose_experiment
 
     return compose_experiment(overrides)
 
@@ -60,7 +60,7 @@ def random_draft_dir(tmp: Path) -> Path:
     tokenizer, saved as a checkpoint directory both loaders read (wiring only)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from real.weights import bundled_gguf_path
+    from real.model.weights import bundled_gguf_path
 
     gguf = bundled_gguf_path()
     config = LlamaConfig(vocab_size=49152, hidden_size=192, intermediate_size=1024, num_hidden_layers=3,
@@ -77,7 +77,7 @@ def random_draft_dir(tmp: Path) -> Path:
 def ours(exp_overrides: list[str], runs: int) -> dict[str, dict]:
     """Best-of-``runs`` ``ar`` and ``sync`` through the real engine (one process: weights are
     loaded once and shared by both schedules)."""
-    from real import engine
+    from real.runtime import engine
     from testbed.metrics import summarize
 
     out: dict[str, dict] = {}
@@ -99,20 +99,20 @@ def ours(exp_overrides: list[str], runs: int) -> dict[str, dict]:
 
 def prompt_token_ids(exp_overrides: list[str]) -> list[list[int]]:
     """The token ids the engine feeds for this workload (the same requests as ``ours``)."""
-    from real.loading import build_requests, load
+    from real.runtime.loading import build_requests, load
 
     exp = compose_exp([*exp_overrides, "schedule=ar"])
     t = exp.pair.target
-    target, tok = load(t.path, "pair.target", t.name, exp.real.dtype)
+    target, tok = load(t.path, "pair.target", model_name=t.name, dtype=exp.real.dtype)
     return [r.prompt_ids for r in build_requests(exp, tok, target.args.max_seq_len)]
 
 
 # ------------------------------------------------------------------------------ HF
-def hf_rows(prompts: list[list[int]], draft_dir: Path, new_tokens: int, gamma: int, runs: int,
+def hf_rows(prompts: list[list[int]], draft_dir: Path, *, new_tokens: int, gamma: int, runs: int,
             dtype: torch.dtype) -> dict[str, dict]:
     from transformers import AutoModelForCausalLM
 
-    from real.weights import bundled_gguf_path
+    from real.model.weights import bundled_gguf_path
 
     gguf = bundled_gguf_path()
     target = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype).eval()
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows = ours(overrides, args.runs)
         if not args.no_hf:
             prompts = prompt_token_ids(overrides)
-            rows.update(hf_rows(prompts, draft_dir, args.new_tokens, args.gamma, args.runs, dtype))
+            rows.update(hf_rows(prompts, draft_dir, new_tokens=args.new_tokens, gamma=args.gamma, runs=args.runs, dtype=dtype))
     end = conditions()
 
     base = rows["ar"]["tokens_per_s"]

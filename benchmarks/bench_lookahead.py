@@ -31,21 +31,21 @@ DISCO_PATH = "models/disco/smollm2_135m+smollm2_draft.json"
 
 
 def _compose(overrides: list[str]):  # type: ignore[no-untyped-def]
-    from real.train_disco import _compose as compose
+    from real.train.disco import _compose as compose
 
     return compose(overrides)
 
 
 def classifier_cost(repeats: int = 300) -> dict:
     """Seconds per draft token: classifier, features, one draft forward (best of 5 batches)."""
-    from real.drafts import ModelDraft
-    from real.loading import load
+    from real.model.drafts import ModelDraft
+    from real.runtime.loading import load
     from testbed.spec.lookahead import DiscoLookahead, draft_token_features, load_classifier
     from testbed.spec.sampling import SamplingParams
 
     exp = _compose(["backend=real", "pair=smollm2_135m+smollm2_draft"])
     d = exp.pair.draft
-    model, _ = load(d.path, "pair.draft", d.name, exp.real.dtype)
+    model, _ = load(d.path, "pair.draft", model_name=d.name, dtype=exp.real.dtype)
     model.setup_cache(512)
     draft = ModelDraft(model, SamplingParams(), d.name)
     draft.start(list(range(1000, 1200)))
@@ -82,7 +82,7 @@ def policies(pair: str, disco_sl: int) -> list[tuple[str, list[str]]]:
 
 
 def paired(args: argparse.Namespace) -> dict:
-    from real.engine import run
+    from real.runtime.engine import run
 
     sl = json.loads(repo_path(DISCO_PATH).read_text())["sl_max"]
     base = ["backend=real", f"pair={args.pair}", f"workload={args.workload}", "workload.split=test",

@@ -61,7 +61,7 @@ def best_ms(fn: Callable[[torch.Tensor, SamplingParams], torch.Tensor], rows: to
 
 
 def model_logits(n: int) -> dict[str, torch.Tensor]:
-    from real.weights import load_model
+    from real.model.weights import load_model
     with open("data/humaneval.jsonl") as f:
         prompt = json.loads(f.readline())["prompt"]
     out = {}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sim.engine import make_requests, simulate  # noqa: E402
+from sim.runtime.engine import make_requests, simulate  # noqa: E402
 from tests.conftest import compose_exp  # noqa: E402
 
 

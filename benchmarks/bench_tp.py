@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kernels.allreduce import GlooAllReduce, ShmAllReduce
-from real.tp import apply_tp
+from real.model.tp import apply_tp
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -80,7 +80,7 @@ class Switchable:
 
 
 def _load(name: str, dtype: torch.dtype):
-    from real.weights import load_model
+    from real.model.weights import load_model
 
     return load_model(None if name == "target" else ROOT / "models" / "smollm2-draft", dtype=dtype,
                       max_seq=512)[0]

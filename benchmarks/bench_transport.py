@@ -6,7 +6,7 @@ Two workers (spawned, each pinned to its core with one thread; gloo on loopback)
 two stages of a ``decentralized`` placement (``placement.nodes=2``):
 
 1. bare round trip: a 32-byte message there and back, p50/p99 over ``--round-trips``, both
-   through ``real.links.DistTransport`` (header + tensor, sender thread; no emulated delay) and
+   through ``real.runtime.links.DistTransport`` (header + tensor, sender thread; no emulated delay) and
    with raw ``dist.send``/``dist.recv`` of the same tensor (what the transport adds);
 2. emulated link at ``network=wan`` (20 ms, 1 Gb/s, 2 ms jitter): ``--messages`` one-way
    messages of ``--bytes`` bytes, one at a time (acknowledged, so none queues), delay measured
@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from real.links import Kind, Message  # noqa: E402
-from real.runtime import launch  # noqa: E402
-from real.worker import WorkerContext  # noqa: E402
+from real.runtime.launch import launch  # noqa: E402
+from real.runtime.links import Kind, Message  # noqa: E402
+from real.runtime.worker import WorkerContext  # noqa: E402
 from testbed.links import LinkDelays  # noqa: E402
 from testbed.placement import make_placement  # noqa: E402
 from tests.conftest import compose_exp  # noqa: E402

@@ -41,8 +41,8 @@ from roofline_probes import DTYPES, PROBE_BUFFERS, gemm_peak, model_cost
 
 import kernels
 from kernels import cpu, native, reference
-from real.model import Transformer
-from real.weights import load_model
+from real.model.decoder import Transformer
+from real.model.weights import load_model
 
 
 # ------------------------------------------------------------------------------ the forwards
@@ -127,7 +127,7 @@ def host_flags() -> str:
     return " ".join(f for f in flags.split() if f in wanted)
 
 
-def paired_roofline(model: Transformer, k: int, context: int, repeats: int, torch_peak: float) -> dict:
+def paired_roofline(model: Transformer, k: int, *, context: int, repeats: int, torch_peak: float) -> dict:
     """The forward timed ``repeats`` times, each right after a short read-bandwidth and FMA-peak
     probe: on a shared host both drift by 20-30 % within seconds, so each forward is compared
     with the roofline of its own moment, and the medians of the times and of the shares are kept."""
@@ -172,7 +172,7 @@ def run_dtype(name: str, args: argparse.Namespace) -> list[dict]:
     rows = []
     for k in args.ks:
         kernels.reset()
-        row = {"dtype": name, "k": k, **paired_roofline(model, k, args.context, args.repeats, torch_peak)}
+        row = {"dtype": name, "k": k, **paired_roofline(model, k, context=args.context, repeats=args.repeats, torch_peak=torch_peak)}
         if k in args.baseline_ks:
             eager_ops()
             row["eager_ms"] = time_forward(model, k, args.context, args.repeats) * 1e3

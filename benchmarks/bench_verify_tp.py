@@ -19,7 +19,7 @@ from pathlib import Path
 
 from roofline_probes import DTYPES, gemm_peak, model_cost, read_bandwidth
 
-from real.weights import load_model
+from real.model.weights import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 KS = (1, 8)

@@ -8,7 +8,7 @@ import time
 import torch
 
 from kernels import native
-from real.model import Transformer
+from real.model.decoder import Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -12,7 +12,7 @@ or any CPU with a slower generic path), GEMVs over <= 8 tokens stream weights wi
 hand-written kernel and ``decode_layers`` runs a whole run of decoder layers in one call (decode
 and short verifications at batch 1); everything else keeps the ops above.
 ``reset()`` restores these defaults, ``use_reference()`` the plain references everywhere.
-Tensor parallelism (real/tp.py) sums partial outputs with a backend of ``kernels.allreduce``
+Tensor parallelism (real/model/tp.py) sums partial outputs with a backend of ``kernels.allreduce``
 (gloo, or the same-host shared-memory one of ``kernels/shm_allreduce.cpp``); ``decode_layers``
 calls it between the layers it fuses, or steps aside when it cannot.
 """

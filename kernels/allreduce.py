@@ -1,4 +1,4 @@
-"""All-reduce (sum) backends for tensor parallelism (real/tp.py): gloo, and same-host shared memory.
+"""All-reduce (sum) backends for tensor parallelism (real/model/tp.py): gloo, and same-host shared memory.
 
 Both sum a tensor over the ranks of a process group in place. A backend is also callable from
 native code: ``native()`` gives the address of a C function ``int fn(float* buf, long n, void*

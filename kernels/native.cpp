@@ -474,7 +474,7 @@ void gemm(const A* x, long xs, long T, const W* wpk, long N, long K, Epilogue ep
 
 // ------------------------------------------------------------------------------ decoder layers
 // A run of decoder layers for T <= kMaxTokens tokens at batch 1, in one call: the computation of
-// real/model.py's TransformerBlock (RMSNorm, fused QKV, RoPE, KV-cache write, grouped-query
+// real/model/decoder.py's TransformerBlock (RMSNorm, fused QKV, RoPE, KV-cache write, grouped-query
 // attention over cache slots [0, S), output projection + residual, RMSNorm, SwiGLU, down
 // projection + residual) without the ~20 PyTorch dispatches per layer that otherwise cost more
 // than the weight streaming of a 135M model. The residual stream stays fp32 across the layers of
@@ -499,7 +499,7 @@ struct LayerDims {  // kernels/native.py: _LayerDims
     float eps;
 };
 
-// Tensor parallelism (real/tp.py): a rank holds some of each layer's heads (n_heads, n_kv_heads
+// Tensor parallelism (real/model/tp.py): a rank holds some of each layer's heads (n_heads, n_kv_heads
 // are its own) and a slice of the FFN (ffn_dim is its own), so the output and down projections
 // give partial sums. ``fn`` sums buf [n] over the ranks in place (the residual is added after,
 // so it is counted once); it returns 0, or non-zero to abort the call with that code.

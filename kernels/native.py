@@ -259,7 +259,7 @@ _PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _data_ptr = Tensor.data_ptr
 
 
-def _gather(model, lo: int, hi: int) -> list[Tensor] | None:  # model: real.model.Transformer
+def _gather(model, lo: int, hi: int) -> list[Tensor] | None:  # model: real.model.decoder.Transformer
     tensors: list[Tensor] = []
     for layer in model.layers[lo:hi]:
         att, ffn, cache = layer.attention, layer.feed_forward, layer.attention.kv_cache
@@ -286,7 +286,7 @@ def _pack(model, lo: int, hi: int) -> tuple[object, _LayerDims] | None:
     if tensors is None:
         return None
     a, n = model.args, hi - lo
-    # a tensor-parallel rank (real/tp.py) holds its own heads and FFN slice, the same in every layer
+    # a tensor-parallel rank (real/model/tp.py) holds its own heads and FFN slice, the same in every layer
     att, ffn_dim = model.layers[lo].attention, model.layers[lo].feed_forward.w2.shape[1]
     weights = [t for i, t in enumerate(tensors) if i % 8 < 6]
     caches = [t for i, t in enumerate(tensors) if i % 8 >= 6]
@@ -308,7 +308,7 @@ def _pack(model, lo: int, hi: int) -> tuple[object, _LayerDims] | None:
 
 def decode_layers(model, lo: int, hi: int, h: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
                   mask: Tensor | None, kv_len: int) -> Tensor | None:
-    """Layers ``[lo, hi)`` of ``model`` (a real.model.Transformer) on ``h [1, T, dim]`` (T <= ``MAX_TOKENS``)
+    """Layers ``[lo, hi)`` of ``model`` (a real.model.decoder.Transformer) on ``h [1, T, dim]`` (T <= ``MAX_TOKENS``)
     in one native call, or None when this case is not covered (the model then runs op by op).
     Arguments as in ``Transformer.forward_layers`` after it resolved positions and the mask."""
     if _LIB is None or hi <= lo or h.device.type != "cpu" or h.dim() != 3 or h.shape[0] != 1:
@@ -318,7 +318,7 @@ def decode_layers(model, lo: int, hi: int, h: Tensor, cos: Tensor, sin: Tensor, 
     t = h.shape[1]
     if t > MAX_TOKENS or h.dtype not in _CODES or cos.dtype != h.dtype:
         return None
-    # Tensor parallel (real/tp.py): the layers' partial sums are all-reduced inside the call
+    # Tensor parallel (real/model/tp.py): the layers' partial sums are all-reduced inside the call
     # through the group's native callback; a group without one takes the op-by-op path, whose
     # module hooks all-reduce. Never run sharded layers without the sums.
     allreduce, ar_fn, ar_ctx = getattr(model, "tp_allreduce", None), None, None

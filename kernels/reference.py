@@ -36,7 +36,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def rope_tables(
     head_dim: int,
     max_positions: int,
-    theta: float,
+    *, theta: float,
     scaling: dict | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor]:
@@ -105,7 +105,7 @@ def swiglu_fused(x: Tensor, w_gate_up: Tensor) -> Tensor:
 def decode_layers(model, lo: int, hi: int, h: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
                   mask: Tensor | None, kv_len: int) -> Tensor | None:
     """A fused kernel for a run of decoder layers, or None: the model then runs its layers op by
-    op through the ops above, which *are* the reference definition (``real.model``).
+    op through the ops above, which *are* the reference definition (``real.model.decoder``).
     A replacement (``kernels.native.decode_layers``) returns the layers' output hidden states,
     or None for any case it does not cover."""
     return None

@@ -12,7 +12,7 @@ from testbed.config import ExperimentConfig
 
 
 def run(exp: ExperimentConfig) -> Any:
-    from real.engine import run as execute
+    from real.runtime.engine import run as execute
 
     result = execute(exp)
     if exp.workload.exec_tests and result.extra.get("writer") is not False:
@@ -23,7 +23,7 @@ def run(exp: ExperimentConfig) -> Any:
 def humaneval_pass_at_1(exp: ExperimentConfig, result: Any) -> dict[str, Any]:
     """pass@1 of the run's (and its `ar` baseline's) outputs, executed in sandboxed children
     (testbed/humaneval_exec.py); every schedule and layout records its outputs the same way."""
-    from real.loading import load_tokenizer
+    from real.runtime.loading import load_tokenizer
     from testbed.humaneval_exec import summary_fields
 
     tokenizer = load_tokenizer(exp.pair.target.path)
@@ -32,19 +32,19 @@ def humaneval_pass_at_1(exp: ExperimentConfig, result: Any) -> dict[str, Any]:
 
 
 def calibrate(exp: ExperimentConfig, run_dir: Path) -> Any:
-    from real.calibrate import calibrate as measure
+    from real.calibrate.profile import calibrate as measure
 
     return measure(exp, run_dir)
 
 
 def tokenizer() -> Any:
-    from real.tokenizer import load_bundled_tokenizer
+    from real.model.tokenizer import load_bundled_tokenizer
 
     return load_bundled_tokenizer()
 
 
 def probe_forward(exp: ExperimentConfig) -> dict[str, float]:
-    from real.probe_forward import forward_probe
+    from real.calibrate.probe_forward import forward_probe
 
     return forward_probe(exp)
 

@@ -226,14 +226,14 @@ class Check:
             return
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               "tests/test_cuda_graphs.py", "tests/test_native_kernels.py"],
+                               "tests/real/test_cuda_graphs.py", "tests/kernels/test_native_kernels.py"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=max(30.0, self.left_s()))
         self.device_tests_result = (proc.stdout.strip().splitlines() or [""])[-1]
         if proc.returncode != 0:
             raise RuntimeError(f"pytest exit {proc.returncode}: {self.device_tests_result}")
 
     def forwards(self, target: Path) -> list[dict]:
-        from real.weights import load_model
+        from real.model.weights import load_model
 
         model, _ = load_model(target, dtype=torch.bfloat16, device=self.device, max_seq=64)
         ks = list(range(1, 17)) if not self.args.tiny else [1, 2, 4, 8, 16]

@@ -180,12 +180,12 @@ def forward_times(model, *, context: int, ks: list[int], peaks: dict, repeats: i
             row = {"k": k, "eager_ms": round(eager * 1e3, 4), "roofline_ms": round(roof * 1e3, 4),
                    "eager_share": round(roof / eager, 3)}
             if device.type == "cuda":
-                row |= _graph_time(logits_on_device, x, device, repeats, roof)
+                row |= _graph_time(logits_on_device, x, device=device, repeats=repeats, roof=roof)
             rows.append(row)
     return rows
 
 
-def _graph_time(fn, x: torch.Tensor, device: torch.device, repeats: int, roof: float) -> dict:
+def _graph_time(fn, x: torch.Tensor, *, device: torch.device, repeats: int, roof: float) -> dict:
     """The same forward captured once into a CUDA graph and replayed (static inputs, the same
     slots: a replay rewrites the same K/V slots, as a verification window does)."""
     try:

@@ -6,21 +6,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sim.cost import COST_MODELS
-from sim.oracle import ORACLES
+from sim.cost.base import COST_MODELS
+from sim.oracle.base import ORACLES
 from testbed.backends import Backend, register
 from testbed.config import ExperimentConfig
 
 
 def run(exp: ExperimentConfig) -> Any:
-    from sim.engine import run as simulate
+    from sim.runtime.engine import run as simulate
 
     return simulate(exp)
 
 
 def replay_seconds(exp: ExperimentConfig, run_dir: Path) -> dict[int, float]:
     """The profile cost model's decode time per request of a recorded run's own rounds."""
-    from sim.cost_profile import ProfileCost
+    from sim.cost.profile import ProfileCost
 
     return ProfileCost(exp).decode_seconds(run_dir)
 
@@ -28,8 +28,8 @@ def replay_seconds(exp: ExperimentConfig, run_dir: Path) -> dict[int, float]:
 def preload() -> None:
     """Everything a simulated run imports on first use: the engine, the synthetic oracle and
     every schedule (most import torch: 2 s that a sweep worker would pay inside its first job)."""
-    import sim.engine  # noqa: F401
-    import sim.oracle_synthetic  # noqa: F401
+    import sim.oracle.synthetic  # noqa: F401
+    import sim.runtime.engine  # noqa: F401
     from sim.schedules import get_schedule
     from testbed.schedules import implementations
 

@@ -13,10 +13,10 @@ HYDRA_FLAGS = ("--cfg", "-c", "--info", "--hydra-help", "--resolve", "--package"
 
 def main() -> None:
     if "hydra/launcher=joblib" in sys.argv[1:] and "--help" not in sys.argv:
-        from testbed.worker_pool import start_fork_server_for
+        from testbed.app.worker_pool import start_fork_server_for
 
         start_fork_server_for(sys.argv[1:])
-    from testbed.preflight import normalize_args
+    from testbed.app.preflight import normalize_args
 
     args = normalize_args(sys.argv[1:])
     from testbed.config_docs import renamed_setting
@@ -26,35 +26,35 @@ def main() -> None:
         print(f"error: {renamed}", file=sys.stderr)
         raise SystemExit(2)
     if any(a in ("--help", "-h") for a in args):
-        from testbed.cli_help import print_help
+        from testbed.app.cli_help import print_help
 
         print_help()
         return
     # argparse stops collecting overrides at a flag: move -m/--multirun in front of them
     flags = [a for a in args if a in ("-m", "--multirun")]
     sys.argv[1:] = flags + [a for a in args if a not in ("-m", "--multirun")]
-    from testbed.preflight import command_pairs, main_guard
+    from testbed.app.preflight import command_pairs, main_guard
 
     sweep = False
     if not any(a.split("=")[0] in HYDRA_FLAGS for a in args):
         composed: dict = {}
         jobs = main_guard(sys.argv[1:], composed)
         if "cfg" in composed:  # a single run: composed once, by the check
-            from testbed.app import run_single
+            from testbed.app.main import run_single
 
             run_single(composed["cfg"])
             return
         sweep = True
         os.environ["SPECBED_SWEEP_JOBS"] = str(jobs)  # the sweep's progress line
-        from testbed.preflight import MAX_JOBS_CHECKED
+        from testbed.app.preflight import MAX_JOBS_CHECKED
 
         if jobs < MAX_JOBS_CHECKED:  # the sweeper need not compose every job again
             os.environ["SPECBED_SWEEP_CHECKED"] = "1"
     else:
-        from testbed.config import register_configs
+        from testbed.compose import register_configs
 
         register_configs(command_pairs(args))
-    from testbed.app import main as app_main
+    from testbed.app.main import main as app_main
 
     app_main()
     if sweep:

@@ -14,9 +14,9 @@ Hooks (None where a backend has no such capability):
   recorded run's own rounds (sim's profile cost model; the validation report's timing-only
   error);
 - ``probe_forward(exp) -> {model name: seconds}``: the pair's probe forward timed now
-  (real/probe_forward.py; sim.profile_drift=forward corrects the profile by it);
+  (real/calibrate/probe_forward.py; sim.profile_drift=forward corrects the profile by it);
 - ``preload()``: import what its runs import on first use (a joblib sweep worker warms up while
-  the pre-run check runs: testbed.worker_pool).
+  the pre-run check runs: testbed.app.worker_pool).
 
 A hook that only one backend provides is found with ``hook(name)``. ``options``: the values a
 setting may take that only the backend knows, each a ``Registry`` (the simulator's

@@ -1,19 +1,19 @@
-"""Typed experiment configuration, registered in Hydra's ConfigStore, and its validation.
+"""Typed experiment configuration: the dataclasses the YAML files in ``conf/`` fill, what every
+setting means (``doc``, ``setting_doc``) and ``ConfigError``, which names the key, the value, what
+is allowed and what the setting means.
 
-The YAML files in ``conf/`` fill these dataclasses; ``to_experiment`` turns the composed
-OmegaConf tree into plain frozen-free dataclasses once, so hot loops never touch OmegaConf.
-``validate`` checks every value against its allowed range and raises ``ConfigError`` naming
-the key, the value and what is allowed.
+testbed/compose.py registers these dataclasses in Hydra's ConfigStore and turns a composed
+OmegaConf tree into them once (``to_experiment``), so hot loops never touch OmegaConf;
+testbed/config_validate.py checks every value against its allowed range (``validate``).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING
 
 from testbed.paths import CONF_DIR
 from testbed.registry import Registry
@@ -21,9 +21,8 @@ from testbed.registry import Registry
 # acceptance oracles and cost models are the simulator's: their names come from its registries
 # (testbed.backends.option_names("acceptance"), option_names("sim.cost_model"))
 PROFILE_DRIFTS = ("none", "probe", "forward", "run_probe")
-WORKLOADS = ("synthetic", "humaneval", "mtbench", "alpaca")
 # what a model of a pair is (pair.target.kind, pair.draft.kind); the real backend builds a draft
-# of each kind from its own registry (real/loading.py DRAFTS)
+# of each kind from its own registry (real/runtime/loading.py DRAFTS)
 MODEL_KINDS: Registry[str] = Registry("model kind")
 MODEL_KINDS.register("transformer", "a decoder with weights of its own")
 MODEL_KINDS.register("ngram", "prompt lookup: the longest n-gram match proposes its continuation (drafts only)")
@@ -43,8 +42,6 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, value: Any, allowed: str) -> None:
         self.key, self.value, self.allowed = key, value, allowed
-        from testbed.config_docs import setting_doc
-
         meaning = setting_doc(key)
         # a range or type ("an integer in [1, 64]") says nothing of what the setting is for;
         # a longer explanation already does
@@ -54,8 +51,8 @@ class ConfigError(ValueError):
 
 def doc(default: Any, text: str, unit: str = "") -> Any:
     """A setting's default with what it means and its unit: the one source of ``--help``
-    (testbed/cli_help.py), the validation messages (ConfigError) and the README's settings
-    (testbed/config_docs.py reads them)."""
+    (testbed/app/cli_help.py), the validation messages (ConfigError) and the README's settings
+    (``setting_docs`` reads them)."""
     return field(default=default, metadata={"doc": text, "unit": unit})
 
 
@@ -83,7 +80,7 @@ class LookaheadConfig:
     policy: str = doc("static", "how many tokens to draft each round (also chosen as lookahead=NAME)")
     threshold: float | None = doc(None, "stop drafting below this score (confidence: draft probability, "
                                   "default 0.4; disco: the classifier file's tuned one)")
-    path: str | None = doc(None, "disco: the classifier file (python -m real.train_disco)")
+    path: str | None = doc(None, "disco: the classifier file (python -m real.train.disco)")
 
 
 @dataclass
@@ -189,7 +186,7 @@ class SimConfig:
                                    "this machine's)")
     profile_rescale: bool = doc(False, "profile + acceptance=trace: scale to the trace runs' round times")
     # profile: the machine's drift, without a run of the configuration: `forward` scales each
-    # model's times by its probe forward now / in the profile (real/probe_forward.py), `probe`
+    # model's times by its probe forward now / in the profile (real/calibrate/probe_forward.py), `probe`
     # all times by the profile's bandwidth probe / the probe now (testbed/machine.py)
     profile_drift: str = doc("none", "profile: correct for the machine's drift since calibration: "
                              "none | forward | probe | run_probe")
@@ -262,99 +259,9 @@ class ExperimentConfig:
                           "sim.cost_model=profile (a flag: +calibrate)")
 
 
-def default_gpus(role: str, schedule: str, gpus_per_node: int, hardware: str = "") -> int:
-    """Placement defaults: every GPU for both models, except a ``two_groups`` schedule
-    (`async`), which needs disjoint groups — 3/8 of the node for the draft (SwiftSpec's best Llama-3-70B split is 5+3).
-    hardware=local (this machine, simulated or real): one device per group (a device is a core
-    on CPU), so a real run stays in one process unless tensor parallelism or an async split is
-    asked for, and the simulator predicts the same placement."""
-    from testbed.schedules import TWO_GROUPS, find
-
-    if hardware == "local":
-        return 1
-    spec = find(schedule)
-    if spec is None or spec.layout != TWO_GROUPS or gpus_per_node < 2:
-        return gpus_per_node
-    draft = max(1, round(3 * gpus_per_node / 8))
-    return draft if role == "draft" else gpus_per_node - draft
-
-
-def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("default_gpus"):
-        OmegaConf.register_new_resolver("default_gpus", default_gpus)
-
-
-def model_presets() -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
-
-
-def pairs_named(texts: Iterable[str]) -> set[str]:
-    """Every `TARGET+DRAFT` of model presets mentioned in these strings (command-line overrides,
-    sweep values): the pair combinations a command may compose."""
-    import re
-
-    models = set(model_presets())
-    found = set()
-    for text in texts:
-        for t, d in re.findall(r"([A-Za-z0-9_.-]+)\+([A-Za-z0-9_.-]+)", text):
-            if t in models and d in models:
-                found.add(f"{t}+{d}")
-    return found
-
-
-def register_configs(pairs: Iterable[str] | None = None) -> None:
-    """Register the schema so Hydra type-checks every override against it, and the
-    `pair=TARGET+DRAFT` combinations of model presets that have no file in conf/pair/ (files
-    take precedence). `pairs=None` registers every combination; the CLI passes the pairs its
-    command line and sweep configs name, because Hydra copies the whole ConfigStore on every
-    composition (256 pairs made each one take a second)."""
-
-    from hydra.core.config_store import ConfigStore
-
-    register_resolvers()
-    cs = ConfigStore.instance()
-    if "experiment_schema.yaml" not in cs.repo:
-        cs.store(name="experiment_schema", node=ExperimentConfig)
-    conf = CONF_DIR
-    models = model_presets()
-    files = {p.stem for p in (conf / "pair").glob("*.yaml")}
-    stored = set(cs.repo.get("pair", {}))
-    wanted = [f"{t}+{d}" for t in models for d in models] if pairs is None else sorted(pairs)
-    for name in wanted:
-        t, _, d = name.partition("+")
-        if name not in files and f"{name}.yaml" not in stored:
-            cs.store(group="pair", name=name, node={
-                "defaults": [{"/model@target": t}, {"/model@draft": d}, "_self_"],
-                "name": name})
-
-
-@functools.cache
-def _schema() -> DictConfig:
-    """The typed schema, built once (10 ms: half of a job's conversion in a sweep)."""
-    return OmegaConf.structured(ExperimentConfig)
-
-
-def to_experiment(cfg: DictConfig | dict) -> ExperimentConfig:
-    """Composed config (OmegaConf) -> plain dataclasses; drops the `hydra` node if present."""
-    register_resolvers()
-    if isinstance(cfg, dict):
-        cfg = OmegaConf.create(cfg)
-    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
-    net = cfg.get("network")
-    if isinstance(net, DictConfig) and "bandwidth_gbps" in net:  # a run recorded before the rename
-        cfg = cfg.copy()
-        old = cfg.network.pop("bandwidth_gbps")
-        cfg.network.bandwidth_gbit_s = 8.0 * float(old)  # it held gigabytes per second
-    merged = OmegaConf.merge(_schema(), cfg)  # (merge copies its first argument)
-    exp = OmegaConf.to_object(merged)
-    if exp.backend == "real" and exp.real.dtype == "auto":  # resolved once: runs record the dtype used
-        from kernels import preferred_dtype
-
-        exp.real.dtype = preferred_dtype(exp.real.device)
-    assert isinstance(exp, ExperimentConfig)
-    if not exp.pair.name:
-        exp.pair.name = f"{exp.pair.target.name}+{exp.pair.draft.name}"
-    return exp
+def workload_names() -> list[str]:
+    """The values of ``workload=``: the files of conf/workload/."""
+    return sorted(p.stem for p in (CONF_DIR / "workload").glob("*.yaml"))
 
 
 def real_dtype(exp: ExperimentConfig) -> str:
@@ -368,21 +275,6 @@ def real_dtype(exp: ExperimentConfig) -> str:
     return preferred_dtype(exp.real.device)
 
 
-def compose_experiment(overrides: Iterable[str] = ()) -> ExperimentConfig:
-    """The experiment ``python -m testbed OVERRIDES`` runs, composed and validated: for scripts
-    (benchmarks, tests) that build runs without the CLI."""
-    from hydra import compose, initialize_config_dir
-
-    overrides = list(overrides)
-    register_configs(pairs_named(overrides))  # only the pairs named: composing stays fast
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    exp = validate(to_experiment(cfg))
-    if not exp.pair.name or exp.pair.name == "+":
-        exp.pair.name = f"{exp.pair.target.name}+{exp.pair.draft.name}"
-    return exp
-
-
 def as_dict(obj: Any) -> Any:
     """Dataclass tree -> plain dict (for run metadata)."""
     if is_dataclass(obj):
@@ -392,8 +284,22 @@ def as_dict(obj: Any) -> Any:
     return obj
 
 
-def validate(exp: ExperimentConfig) -> ExperimentConfig:
-    """Check every value of `exp` (testbed/config_validate.py); returns `exp` or raises ConfigError."""
-    from testbed.config_validate import validate as check
+@functools.cache
+def setting_docs() -> dict[str, str]:
+    """Every documented setting (dotted key) -> "meaning [unit]"."""
+    out: dict[str, str] = {}
 
-    return check(exp)
+    def walk(cls: type, prefix: str) -> None:
+        for f in fields(cls):
+            if isinstance(f.default_factory, type) and is_dataclass(f.default_factory):
+                walk(f.default_factory, f"{prefix}{f.name}.")
+            elif "doc" in f.metadata:
+                unit = f.metadata["unit"]
+                out[prefix + f.name] = f.metadata["doc"] + (f" [{unit}]" if unit else "")
+    walk(ExperimentConfig, "")
+    return out
+
+
+def setting_doc(key: str) -> str:
+    """What setting ``key`` means, with its unit ("" for an undocumented or unknown key)."""
+    return setting_docs().get(key, "")

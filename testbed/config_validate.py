@@ -9,10 +9,10 @@ from testbed.config import (
     MODEL_KINDS,
     PROFILE_DRIFTS,
     QUANTS,
-    WORKLOADS,
     ConfigError,
     ExperimentConfig,
     ModelConfig,
+    workload_names,
 )
 from testbed.schedules import TWO_GROUPS, schedule_names, spec_of, unsupported
 from testbed.spec.lookahead import LOOKAHEADS
@@ -28,7 +28,7 @@ def _int_range(key: str, value: int, lo: int, hi: int | None = None) -> None:
         raise ConfigError(key, value, f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]")
 
 
-def _float_range(key: str, value: float, lo: float, hi: float | None = None,
+def _float_range(key: str, value: float, *, lo: float, hi: float | None = None,
                  lo_open: bool = False, hi_open: bool = False) -> None:
     bad = value < lo or (lo_open and value == lo)
     if hi is not None:
@@ -81,7 +81,7 @@ def _validate_lookahead(exp: ExperimentConfig) -> None:
         if la.policy not in ("confidence", "disco"):
             raise ConfigError("lookahead.threshold", la.threshold,
                               "unset with lookahead=" + la.policy + " (only confidence and disco use a threshold)")
-        _float_range("lookahead.threshold", la.threshold, 0.0, 1.0)
+        _float_range("lookahead.threshold", la.threshold, lo=0.0, hi=1.0)
     if la.path is not None and la.policy != "disco":
         raise ConfigError("lookahead.path", la.path, f"unset with lookahead={la.policy} (only disco loads a classifier)")
     if la.policy in PER_TOKEN and not spec_of(exp).chain:
@@ -111,10 +111,10 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _int_range("schedule.tree_width", s.tree_width, 1, 256)
     _int_range("schedule.tree_budget", s.tree_budget, 1, 1024)
     _int_range("schedule.tree_depth", s.tree_depth, 0, 64)
-    _float_range("schedule.tau", s.tau, 0.0, 1.0)
-    _float_range("schedule.lambda1", s.lambda1, 0.0, lo_open=True)
-    _float_range("schedule.lambda2", s.lambda2, 0.0, 1.0)
-    _float_range("schedule.lambda3", s.lambda3, 0.0, 1.0)
+    _float_range("schedule.tau", s.tau, lo=0.0, hi=1.0)
+    _float_range("schedule.lambda1", s.lambda1, lo=0.0, lo_open=True)
+    _float_range("schedule.lambda2", s.lambda2, lo=0.0, hi=1.0)
+    _float_range("schedule.lambda3", s.lambda3, lo=0.0, hi=1.0)
     _validate_lookahead(exp)
 
     t, d = exp.pair.target, exp.pair.draft
@@ -154,13 +154,13 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError("placement.nodes", pl.nodes, f"at most the target's {t.layers} layers")
 
     net = exp.network
-    _float_range("network.latency_ms", net.latency_ms, 0.0)
-    _float_range("network.bandwidth_gbit_s", net.bandwidth_gbit_s, 0.0)
-    _float_range("network.jitter_ms", net.jitter_ms, 0.0)
+    _float_range("network.latency_ms", net.latency_ms, lo=0.0)
+    _float_range("network.bandwidth_gbit_s", net.bandwidth_gbit_s, lo=0.0)
+    _float_range("network.jitter_ms", net.jitter_ms, lo=0.0)
 
     a = exp.acceptance
     _choice("acceptance", a.oracle, backends.option_names("acceptance"))
-    _float_range("acceptance.alpha", a.alpha, 0.0, 1.0, hi_open=True)
+    _float_range("acceptance.alpha", a.alpha, lo=0.0, hi=1.0, hi_open=True)
     _int_range("acceptance.vocab", a.vocab, 2, 1 << 20)
     _int_range("schedule.draft_topk", s.draft_topk, 0)
     if exp.backend == "sim" and "schedule.adaptive" in spec.reads and s.adaptive and a.oracle == "iid":
@@ -169,8 +169,8 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
 
     sm = exp.sim
     _choice("sim.cost_model", sm.cost_model, backends.option_names("sim.cost_model"))
-    _float_range("sim.c", sm.c, 0.0)
-    _float_range("sim.t_target_ms", sm.t_target_ms, 0.0, lo_open=True)
+    _float_range("sim.c", sm.c, lo=0.0)
+    _float_range("sim.t_target_ms", sm.t_target_ms, lo=0.0, lo_open=True)
     _choice("sim.profile_drift", sm.profile_drift, PROFILE_DRIFTS)
     if sm.profile_drift != "none" and sm.profile_rescale:
         raise ConfigError("sim.profile_drift", sm.profile_drift, "none with sim.profile_rescale=true (both "
@@ -184,16 +184,16 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
                           "corrects a measured profile for the machine's drift)")
 
     w = exp.workload
-    _choice("workload", w.name, WORKLOADS)
+    _choice("workload", w.name, workload_names())
     _int_range("workload.num_prompts", w.num_prompts, 1, 100_000)
     _int_range("workload.max_new_tokens", w.max_new_tokens, 1, 1_000_000)
     _int_range("workload.prompt_len", w.prompt_len, 1, 10_000_000)
     _choice("workload.split", w.split, ("all", "calibrate", "holdout", "trace", "test"))
 
     sp = exp.sampling
-    _float_range("sampling.temperature", sp.temperature, 0.0, 100.0)
+    _float_range("sampling.temperature", sp.temperature, lo=0.0, hi=100.0)
     _int_range("sampling.top_k", sp.top_k, 0)
-    _float_range("sampling.top_p", sp.top_p, 0.0, 1.0, lo_open=True)
+    _float_range("sampling.top_p", sp.top_p, lo=0.0, hi=1.0, lo_open=True)
 
     why = unsupported(exp.backend, s.name, s.tree)
     if why:
@@ -205,6 +205,6 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _int_range("real.threads", exp.real.threads, 0, 1024)
     _int_range("real.repeats", exp.real.repeats, 1, 1000)
     _int_range("sim.prediction_resamples", exp.sim.prediction_resamples, 0, 10000)
-    _float_range("real.recv_timeout_s", exp.real.recv_timeout_s, 0.0, 3600.0, lo_open=True)
+    _float_range("real.recv_timeout_s", exp.real.recv_timeout_s, lo=0.0, hi=3600.0, lo_open=True)
     _choice("real.allreduce", exp.real.allreduce, ("shm", "gloo"))
     return exp

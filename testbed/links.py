@@ -1,8 +1,8 @@
 """The one-way delay of a message on a link, and the wire sizes of the messages schedules send.
 
 Both backends use this module, so ``network=`` means the same thing on both and the same seed
-gives the same delays: ``sim/links.py`` draws its jitter from ``LinkDelays`` inside a SimPy
-resource, ``real/links.py`` releases each message at the time ``LinkDelays.deliver`` returns.
+gives the same delays: ``sim/runtime/links.py`` draws its jitter from ``LinkDelays`` inside a SimPy
+resource, ``real/runtime/links.py`` releases each message at the time ``LinkDelays.deliver`` returns.
 
 Model (one direction of a full-duplex link). A message of ``nbytes`` bytes first *serialises*
 onto the wire for ``nbytes / bandwidth`` (one message at a time, first in first out), then
@@ -16,7 +16,7 @@ order, from ``random.Random(f"{seed}:{link name}")``: reproducible, and adding a
 change the draws of the others.
 
 Sizes. ``nbytes`` is the payload (tensor bytes) of a message. The fixed header that
-``real/links.py`` also puts on the wire (``HEADER_BYTES``) is framing, like TCP/IP headers, and
+``real/runtime/links.py`` also puts on the wire (``HEADER_BYTES``) is framing, like TCP/IP headers, and
 is left out of the model on both backends (it is < 2 µs at 1 Gb/s); ``wire_bytes`` counts it for
 accounting. The payload layouts below are what the real schedules send and the simulator
 charges: token ids are int32, a tree node is (token, position, parent) in int32, activations
@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 TOKEN_BYTES = 4  # a token id on the wire (int32)
 TREE_NODE_BYTES = 3 * TOKEN_BYTES  # token id, position, parent index (int32 each): the mask is implied
-HEADER_INTS = 28  # int64 fields of real/links.py's fixed header (see real/links.py)
+HEADER_INTS = 28  # int64 fields of real/runtime/links.py's fixed header (see real/runtime/links.py)
 HEADER_BYTES = 8 * HEADER_INTS
 
 

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 PROBE_MB = 64  # per buffer: well above any last-level cache of the hosts we run on
-# the models' probe forward (real/probe_forward.py): one token at this KV slot, on both backends
+# the models' probe forward (real/calibrate/probe_forward.py): one token at this KV slot, on both backends
 FORWARD_PROBE_CONTEXT = 64  # the smallest context of the profile's tables
 FORWARD_PROBE_TOKENS = 8  # the target's second probe (a verification's size): in-run drift by k
 # the target's verification sizes at small γ, probed too: the shape in k drifts as well as the
@@ -48,7 +48,7 @@ def probe_record() -> dict[str, float]:
 
 def forward_drift_factors(profile_forward_s: dict[str, float], now_s: dict[str, float],
                           roles: dict[str, str]) -> dict[str, float]:
-    """``sim.profile_drift=forward`` (real/probe_forward.py): a multiplier per role (``roles``:
+    """``sim.profile_drift=forward`` (real/calibrate/probe_forward.py): a multiplier per role (``roles``:
     role -> model name) for the profile's times to hold now — the model's probe forward now
     over the same probe in the profile. A role whose model has no forward (the n-gram draft)
     takes the target's: a slower machine slows its Python too."""

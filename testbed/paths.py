@@ -1,7 +1,7 @@
 """Where the repository's files are: the one helper every package uses for repo-relative paths
 (conf/, data/, models/, reports/). Presets and confs ship paths relative to the repository root,
 so a relative path means the repository's file when there is one, whatever the working
-directory (the bundled GGUF, which lives in an installed package, is real.paths')."""
+directory (the bundled GGUF, which lives in an installed package, is real.model.paths')."""
 
 from __future__ import annotations
 

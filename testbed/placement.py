@@ -1,7 +1,7 @@
 """Who runs where: the experiment's placement as groups of ranks, their channels and links.
 
-One description for both backends: ``sim/topology.py`` turns it into SimPy links between GPU
-groups, ``real/runtime.py`` into worker processes (one rank per device) and torch.distributed
+One description for both backends: ``sim/runtime/topology.py`` turns it into SimPy links between GPU
+groups, ``real/runtime/launch.py`` into worker processes (one rank per device) and torch.distributed
 process groups (one per channel).
 
 Layouts (``layout(exp)``: the schedule's declared ``ScheduleSpec.layout``, testbed.schedules;
@@ -25,7 +25,7 @@ laid out as a tree):
 
 Ranks are numbered group after group in the order of ``Placement.groups``; a group's leader is
 its first rank. Only leaders talk across groups. A link between machines is *emulated* on the
-real backend (``network=`` latency, bandwidth and jitter applied by ``real/links.py``); a link
+real backend (``network=`` latency, bandwidth and jitter applied by ``real/runtime/links.py``); a link
 inside one machine is the physical transport there and only modelled by the simulator.
 
 Devices per machine (``device_count``): the simulator's ``hardware.gpus_per_node``; on the real
@@ -219,7 +219,7 @@ class PlacementError(ConfigError):
         ValueError.__init__(self, message)
 
 
-def _check_real(exp: ExperimentConfig, kind: str, world: int, devices: int, hosts: int) -> None:
+def _check_real(exp: ExperimentConfig, kind: str, *, world: int, devices: int, hosts: int) -> None:
     pl = exp.placement
     if exp.real.device.startswith("cuda") and devices == 0:
         raise PlacementError("real.device", f"real.device={exp.real.device}: CUDA is not available on "
@@ -278,7 +278,7 @@ def make_placement(exp: ExperimentConfig, *, devices: int | None = None, hosts: 
         draft_group = "target" if with_draft else None
     world = sum(len(g.ranks) for g in groups)
     if exp.backend == "real":
-        _check_real(exp, kind, world, devices, hosts)
+        _check_real(exp, kind, world=world, devices=devices, hosts=hosts)
     channels = [Channel(f"{TP}:{g.name}", TP, g.ranks) for g in groups if len(g.ranks) > 1]
     by_name = {g.name: g for g in groups}
     if kind == TWO_GROUPS:

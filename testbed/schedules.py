@@ -10,7 +10,7 @@ variant (``sync_tree`` is ``sync`` with ``schedule.tree=true``). Each implementa
   tensor parallel), ``tree`` (one group on max(target, draft) devices), ``two_groups`` (disjoint
   draft and target groups joined by a bridge), ``pipeline`` (the target as stages over nodes);
 - ``drafts``: whether it has a draft model (``ar`` has none: it is the baseline);
-- ``reads``: the settings that take effect with it (``testbed.unused_settings`` reports the
+- ``reads``: the settings that take effect with it (``testbed.app.unused_settings`` reports the
   others), as key prefixes (``schedule.tree_*`` names every ``schedule.tree_…`` key);
 - ``ar_baseline``: how its ``ar`` baseline is placed in the simulator (``target_devices``: the
   target on ``placement.target_gpus`` of one node; ``all_devices``: on every device its groups
@@ -50,7 +50,7 @@ from testbed.registry import Registry, UnknownName
 # layouts (testbed.placement)
 SINGLE, TREE, TWO_GROUPS, PIPELINE = "single", "tree", "two_groups", "pipeline"
 LAYOUTS = (SINGLE, TREE, TWO_GROUPS, PIPELINE)
-# placements of the `ar` baseline (sim/engine.py)
+# placements of the `ar` baseline (sim/runtime/engine.py)
 TARGET_DEVICES, ALL_DEVICES, SAME_PIPELINE = "target_devices", "all_devices", "same_pipeline"
 PLUGINS_ENV = "SPECBED_PLUGINS"
 
@@ -185,6 +185,9 @@ def load_plugin(module: str) -> None:
     try:
         importlib.import_module(module)
         _plugins_loaded.add(module)
+        named = [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
+        if module not in named:  # the processes this one starts (workers, spawned ranks) load it too
+            os.environ[PLUGINS_ENV] = ",".join([*named, module])
     except ImportError as e:
         from testbed.config import ConfigError
 

@@ -67,7 +67,7 @@ def _percentiles(stats: np.ndarray, confidence: float) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def _statistic_ci(values: Any, statistic: Any, confidence: float, resamples: int, seed: int
+def _statistic_ci(values: Any, statistic: Any, *, confidence: float, resamples: int, seed: int
                   ) -> Interval:
     a = _grid(values)
     rows, cols = _resample_index(a.shape, resamples, np.random.default_rng(seed))
@@ -79,7 +79,7 @@ def _statistic_ci(values: Any, statistic: Any, confidence: float, resamples: int
 def median_ci(values: Any, *, confidence: float = CONFIDENCE, resamples: int = RESAMPLES,
               seed: int = 0) -> Interval:
     """Median of `values` ([prompts, repeats] or [prompts]) and its bootstrap interval."""
-    return _statistic_ci(values, np.nanmedian, confidence, resamples, seed)
+    return _statistic_ci(values, np.nanmedian, confidence=confidence, resamples=resamples, seed=seed)
 
 
 def mean_ci(values: Any, *, confidence: float = CONFIDENCE, resamples: int = RESAMPLES,
@@ -87,7 +87,7 @@ def mean_ci(values: Any, *, confidence: float = CONFIDENCE, resamples: int = RES
     """Mean of `values` ([prompts, repeats] or [prompts]) and its bootstrap interval: the
     statistic of a run's headline tokens/s and TPOT (means over its requests), so the interval
     a prediction of those figures is held against."""
-    return _statistic_ci(values, np.nanmean, confidence, resamples, seed)
+    return _statistic_ci(values, np.nanmean, confidence=confidence, resamples=resamples, seed=seed)
 
 
 def ratio_ci(numerator: Any, denominator: Any, *, confidence: float = CONFIDENCE,

@@ -15,7 +15,7 @@ def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:
     return expected_tokens(alpha, gamma) / (gamma * c + 1.0)
 
 
-def dsd_speedup(alpha: float, gamma: int, c: float, t0: float, t1: float, nodes: int) -> float:
+def dsd_speedup(alpha: float, gamma: int, *, c: float, t0: float, t1: float, nodes: int) -> float:
     """Decentralized sync SD over a pipeline of `nodes` stages with per-link latency t1 and
     target compute t0 per forward (all stages together), against `ar` over the same pipeline:
     E·(t0 + (N−1)t1) / (γ·c·t0 + t0 + (N−1)t1)."""

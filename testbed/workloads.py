@@ -126,7 +126,7 @@ def select(prompts: Sequence[Prompt], num_prompts: int, seed: int = 0) -> list[P
 
 
 def workload_prompts(
-    name: str, num_prompts: int, split: str = "all", seed: int = 0, holdout_frac: float = 0.5
+    name: str, num_prompts: int, *, split: str = "all", seed: int = 0, holdout_frac: float = 0.5
 ) -> list[Prompt]:
     """load -> split -> select: the prompts one experiment runs."""
     return select(split_prompts(load_prompts(name), split, seed, holdout_frac), num_prompts, seed)
@@ -185,7 +185,7 @@ def synthetic_prompt_lengths(num_prompts: int, prompt_len: int, seed: int = 0) -
 def choose_prompts(exp: Any) -> list[Prompt]:
     """The prompts an experiment runs (both backends call this: same prompts, same order)."""
     w = exp.workload
-    prompts = workload_prompts(w.name, w.num_prompts, w.split, exp.seed)
+    prompts = workload_prompts(w.name, w.num_prompts, split=w.split, seed=exp.seed)
     if len(prompts) < w.num_prompts:  # said once per process, not once per job of a sweep
         _warn_once(f"warning: workload.num_prompts={w.num_prompts} clipped to {len(prompts)}: "
                    f"the {w.name} set (split {w.split}) has {len(prompts)} prompts")

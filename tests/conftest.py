@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from testbed.config import ExperimentConfig, compose_experiment
+from testbed.compose import compose_experiment
+from testbed.config import ExperimentConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

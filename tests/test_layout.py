@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 from testbed import backends
@@ -39,8 +40,8 @@ def backend_imports(source: str) -> list[tuple[int, str]]:
 
 
 def test_the_import_finder_sees_lazy_and_from_imports() -> None:
-    src = "import os\ndef f():\n    from sim.engine import run\n    import real.weights as w\n"
-    assert backend_imports(src) == [(3, "sim.engine"), (4, "real.weights")]
+    src = "import os\ndef f():\n    from sim.runtime.engine import run\n    import real.model.weights as w\n"
+    assert backend_imports(src) == [(3, "sim.runtime.engine"), (4, "real.model.weights")]
     assert backend_imports("from simpy import Environment\nimport realtime\n") == []
 
 
@@ -133,3 +134,60 @@ def test_kernels_know_no_experiment() -> None:
             offenders += [f"{path.name}:{node.lineno}: {n}" for n in names
                           if n.split(".")[0] in ("testbed", *BACKEND_PACKAGES)]
     assert offenders == []
+
+
+PACKAGES = ("testbed", "sim", "real", "kernels", "hydra_plugins")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> nx.DiGraph:
+    """Module -> every module of the packages it imports (see the rule below)."""
+    paths = {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(paths)
+
+    def known(name: str) -> str | None:  # the module itself, or the package that defines the name
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    for mod, path in paths.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [known(a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [known(f"{base}.{a.name}") for a in node.names]
+            else:
+                continue
+            graph.add_edges_from((mod, t) for t in targets if t and t != mod)
+    return graph
+
+
+def test_the_import_graph_sees_lazy_relative_and_submodule_imports() -> None:
+    g = import_graph()
+    assert g.has_edge("testbed.app.main", "testbed.app.sweeps")  # from testbed.app import sweeps
+    assert g.has_edge("kernels", "kernels.native") and not g.has_edge("kernels.native", "kernels")
+    assert g.has_edge("testbed.report", "testbed.report.sections")  # inside a function
+
+
+def test_no_import_circles() -> None:
+    """No module imports, directly or through others, a module that imports it back.
+
+    The rule: every import statement counts, wherever it stands: at the top, inside a function
+    (a lazy import only delays a circle, the two modules still cannot be understood or tested
+    one without the other) or under ``TYPE_CHECKING``. ``from pkg import name`` depends on the
+    module ``pkg.name`` when there is one, else on ``pkg``; the ``__init__`` of a package that
+    Python runs before one of its modules is not an edge. A module named as a string (a plug-in
+    declared to a ``testbed.registry.Registry``, a backend imported by name) is not an import:
+    that is how the testbed reaches what it must not import."""
+    cycles = sorted(" -> ".join([*c, c[0]]) for c in nx.simple_cycles(import_graph()))
+    assert cycles == [], "import circles:\n" + "\n".join(cycles)

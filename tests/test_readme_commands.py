@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.processes import live_descendants
+from tests.helpers.processes import live_descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -101,7 +101,7 @@ SMOKE: dict[str, Smoke] = {
         Smoke("real", REAL, slow=True),
     "torchrun --standalone --nproc-per-node 2 -m testbed backend=real placement.target_gpus=2 "
     "placement.draft_gpus=2 hydra.run.dir=DIR": Smoke("real", REAL, slow=True, timeout=600),
-    # not shrinkable from the command line (its grid is real.calibrate.Grid): the full ~5 minutes
+    # not shrinkable from the command line (its grid is real.calibrate.profile.Grid): the full ~5 minutes
     "python -m testbed backend=real +calibrate": Smoke("calibrate", files=("profile.json",), slow=True, timeout=1800),
     "python -m testbed +sweep=gamma": Smoke("sweep", ("schedule.gamma=1,4", "acceptance.alpha=0.7", *SIM)),
     "python -m testbed +sweep=gpu_split": Smoke(
@@ -124,16 +124,16 @@ SMOKE: dict[str, Smoke] = {
     "python -m testbed +sweep=wan hydra/launcher=joblib": Smoke("sweep", WAN),
     # run twice into the same DIR: the second run skips both finished jobs
     "python -m testbed +sweep=wan hydra.sweep.dir=DIR": Smoke("sweep", WAN, stdout="2 skipped"),
-    "python -m sim.latency model=llama3_70b hardware=h800x8 tp=4 tokens=8 context=512 quant=int4_awq":
+    "python -m sim.cost.latency model=llama3_70b hardware=h800x8 tp=4 tokens=8 context=512 quant=int4_awq":
         Smoke("stdout", stdout="total"),
     # a few teacher batches of 4 tokens and 3 optimizer steps of the real recipe, into {tmp}
-    "python -m real.train_draft": Smoke(
+    "python -m real.train.draft": Smoke(
         "train", ("steps=3", "train.warmup=1", "train.batch_rows=2", "train.seq_len=32",
                   "data.max_prompts_per_workload=1", "data.stdlib_functions=1", "data.max_new_tokens=4",
                   "data.max_new_tokens_sampled=0", "data.raw_tokens=0", "data.gen_batch=4",
                   "out={tmp}/draft", "work_dir={tmp}/work", "hydra.run.dir={tmp}/hydra"),
         files=("config.json", "model.safetensors"), slow=True, timeout=900),
-    "python -m real.eval_draft": Smoke(
+    "python -m real.train.eval_draft": Smoke(
         "eval", ("workloads=[humaneval]", "num_prompts=1", "max_new_tokens=4", "timing.reps=2",
                  "out_dir={tmp}/eval", "hydra.run.dir={tmp}/hydra"), slow=True, timeout=900),
 }

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from tests.tiny_checkpoint import write_tiny_checkpoint
+from tests.helpers.tiny_checkpoint import write_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

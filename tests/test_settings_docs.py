@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from testbed.cli_help import GROUP_NOTES, HIDDEN_GROUPS, help_text
-from testbed.config import ConfigError, as_dict, to_experiment
-from testbed.config_docs import renamed_setting, setting_docs
+from testbed.app.cli_help import GROUP_NOTES, HIDDEN_GROUPS, help_text
+from testbed.app.preflight import schema_types
+from testbed.compose import to_experiment
+from testbed.config import ConfigError, as_dict, setting_docs
+from testbed.config_docs import renamed_setting
 from testbed.paths import CONF_DIR
 from testbed.placement import make_placement
-from testbed.preflight import schema_types
 from tests.conftest import compose_exp
 
 PRESETS = ("pair.", "hardware.")  # chosen as presets (pair=, hardware=), documented in conf/
@@ -48,7 +49,7 @@ def test_every_group_help_lists_has_a_description() -> None:
 def test_a_validation_error_says_what_the_setting_means() -> None:
     exp = compose_exp("schedule=decentralized", "network=wan")
     exp.network.latency_ms = -1.0
-    from testbed.config import validate
+    from testbed.config_validate import validate
 
     with pytest.raises(ConfigError, match=r"network.latency_ms: one-way latency of a link between nodes \[ms\]"):
         validate(exp)
@@ -130,7 +131,7 @@ def test_the_rename_keeps_finished_sweep_jobs_done() -> None:
     import hashlib
     import json
 
-    from testbed.unused_settings import experiment_hash, normalized
+    from testbed.app.unused_settings import experiment_hash, normalized
 
     exp = compose_exp("schedule=decentralized", "network=wan", "placement.nodes=2")
     old = as_dict(normalized(exp))

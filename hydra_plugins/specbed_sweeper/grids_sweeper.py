@@ -37,8 +37,8 @@ from hydra.core.override_parser.types import Override
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
-from testbed.joblib_jobs import with_shared_state
-from testbed.sweep_configs import GroupCachedConfigLoader
+from testbed.app.joblib_jobs import with_shared_state
+from testbed.app.sweep_configs import GroupCachedConfigLoader
 
 BASE = "base"
 # set by `python -m testbed` when its pre-run check covered every job of every grid
@@ -66,7 +66,7 @@ class GridsSweeper(BasicSweeper):
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         """The basic sweeper's setup, with a config loader that composes each job's group choices
-        once (testbed.sweep_configs.GroupCachedConfigLoader: the launcher, any launcher, gets it too)."""
+        once (testbed.app.sweep_configs.GroupCachedConfigLoader: the launcher, any launcher, gets it too)."""
         loader = hydra_context.config_loader
         if isinstance(loader, ConfigLoaderImpl) and not isinstance(loader, GroupCachedConfigLoader):
             hydra_context = HydraContext(config_loader=GroupCachedConfigLoader(loader),
@@ -103,7 +103,7 @@ class GridsSweeper(BasicSweeper):
         compositions are the launcher's own (GroupCachedConfigLoader), so its jobs reuse them."""
         if os.environ.get(CHECKED_ENV) == "1":
             return  # `python -m testbed`'s pre-run check has composed and validated every job
-            # of every grid that runs (testbed/preflight.py: _grids)
+            # of every grid that runs (testbed/app/preflight.py: _grids)
         loader = self.hydra_context.config_loader if self.hydra_context is not None else None
         if not isinstance(loader, ConfigLoaderImpl) or self.config is None:
             return super().validate_batch_is_legal(batch)

@@ -4,12 +4,12 @@ first use; a declaration that names a module here is what lets backend=real run 
 
 An entry serves one request on the wall clock, recording rounds, spans and the request exactly
 as the simulator's schedule of the same name does. What it is follows the schedule's layout, whose
-runner calls it (real/layouts.py):
+runner calls it (real/runtime/layouts.py):
 
 - ``single`` and ``tree``: a function ``(ctx: RealContext, req: RealRequest) -> None`` from
   prefill to the last token (every rank of an SPMD group runs it on its shard);
-- ``two_groups``: a ``TwoGroups`` — each group's half and its probes (real/async_run.py);
-- ``pipeline``: the first stage's function for one request (real/pipeline_run.py; the other
+- ``two_groups``: a ``TwoGroups`` — each group's half and its probes (real/runtime/async_run.py);
+- ``pipeline``: the first stage's function for one request (real/runtime/pipeline_run.py; the other
   stages only forward activations). `ar` over a pipeline is the runner's own loop.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from real.context import RealContext, RealRequest
+from real.runtime.context import RealContext, RealRequest
 from testbed.registry import Registry
 from testbed.schedules import implementation_registry
 
@@ -27,7 +27,7 @@ from testbed.schedules import implementation_registry
 @dataclass(frozen=True)
 class TwoGroups:
     """A ``two_groups`` schedule: what each group's ranks run per request, and the probes each
-    group times before the first (real/async_run.py passes every function its group's side)."""
+    group times before the first (real/runtime/async_run.py passes every function its group's side)."""
 
     target: Callable[..., list[int]]  # (side, req, eos) -> the request's output ids
     draft: Callable[..., None]  # (side, req, depth, *, width, budget)

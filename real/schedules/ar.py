@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from real.context import RealContext, RealRequest, finish
+from real.runtime.context import RealContext, RealRequest, finish
 from real.schedules import register
 from testbed.recorder import RequestRecord
 from testbed.spec.sampling import sample

@@ -36,7 +36,7 @@ the draft's sending it to the target's sending the verified tokens, plus the rep
 time) and the draft's expansion times (spans), medians over the last rounds; the leader's d is
 shared with its group's followers.
 
-Message formats (``real.links.Message``): ``Kind.TREE`` = int32 rows (token, parent, draw index)
+Message formats (``real.runtime.links.Message``): ``Kind.TREE`` = int32 rows (token, parent, draw index)
 per batch node, float64 (draft seconds since the last subtree, draft prefill end), and at
 temperature > 0 the draft's q at each batch node with children in the batch; ``Kind.VERIFIED``
 (``Kind.STOP`` for a request's last round) = the emitted tokens (int64).
@@ -50,11 +50,11 @@ from typing import Any
 
 import torch
 
-from real.context import RealRequest, finish
-from real.links import Kind, Message, Transport
-from real.runners import prefill
+from real.model.runners import prefill
+from real.model.tree_tokens import DraftTreeTokens, ForwardModel, TargetTreeTokens
+from real.runtime.context import RealRequest, finish
+from real.runtime.links import Kind, Message, Transport
 from real.schedules import TwoGroups, register
-from real.tree_tokens import DraftTreeTokens, ForwardModel, TargetTreeTokens
 from testbed.recorder import RequestRecord, RunRecorder
 from testbed.spec.sampling import SamplingParams
 from testbed.spec.tree import TreeBatch
@@ -96,7 +96,7 @@ class Side:
     """One rank's half of the schedule: its group's model (a shard under TP), its view of the
     peer group, its recorder (the leader's is the run's) and the run clock."""
 
-    model: Any  # real.model.Transformer (prefill)
+    model: Any  # real.model.decoder.Transformer (prefill)
     fwd: ForwardModel  # the same model for tree-masked forwards
     params: SamplingParams
     peer: Peer
@@ -110,7 +110,7 @@ class Side:
     # the draft's DraftSource for (committed tokens, generator); None: DraftTreeTokens over
     # ``fwd`` (a model draft). The n-gram draft has no model: ``model`` and ``fwd`` are None.
     draft_source: Callable[[list[int], torch.Generator], DraftSource] | None = None
-    probe: Any = None  # real.probe_forward.RunProbe of this group's model (probe_before_request)
+    probe: Any = None  # real.calibrate.probe_forward.RunProbe of this group's model (probe_before_request)
 
     def new_draft_source(self, ids: list[int], generator: torch.Generator) -> DraftSource:
         if self.draft_source is not None:
@@ -238,7 +238,7 @@ def probe_draft(side: Side, exp: Any, req: RealRequest) -> tuple[AsyncDepth, flo
 def probe_before_request(side: Side, role: str, req: RealRequest) -> None:
     """Both groups, before each request: the target group times its model's probe forward
     while the draft group waits, then the draft group its own while the target waits
-    (``side.probe``, a real.probe_forward.RunProbe; the n-gram draft has none). Each alone, as
+    (``side.probe``, a real.calibrate.probe_forward.RunProbe; the n-gram draft has none). Each alone, as
     the profile's probe and the simulator's drift factor take them."""
     rid, index = req.request_id, req.request_id
     if index % side.probe.every:
@@ -378,6 +378,6 @@ def draft_worker(side: Side, req: RealRequest, depth: AsyncDepth | int, *, width
             times.append(dt)
 
 
-# the registry's entry: the two groups' halves, run by the two_groups layout's runner (real/async_run.py)
+# the registry's entry: the two groups' halves, run by the two_groups layout's runner (real/runtime/async_run.py)
 register("async", TwoGroups(target=target_worker, draft=draft_worker, probe_target=probe_target,
                             probe_draft=probe_draft, before_request=probe_before_request))

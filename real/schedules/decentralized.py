@@ -1,11 +1,11 @@
 """`decentralized` on real models: DSD (seed 003) — a draft window verified per pipeline round trip.
 
 The mirror of sim/schedules/decentralized.py. The target is split into ``placement.nodes`` stage
-processes (real/pipeline.py, the split of testbed.placement), joined in a ring by emulated
+processes (real/runtime/pipeline.py, the split of testbed.placement), joined in a ring by emulated
 ``network=`` links; the draft runs on the first stage's process. One round:
 
 1. the first stage's draft proposes γ tokens (as in `sync`);
-2. the γ+1 tokens go through the pipeline (``real.pipeline.traverse``): each stage runs its
+2. the γ+1 tokens go through the pipeline (``real.runtime.pipeline.traverse``): each stage runs its
    layers, the hidden states and the window (tokens, and the draft distributions when the
    verifier needs them) travel to the next stage;
 3. the last stage verifies (``WindowVerifier``: Algorithm 1, testbed.spec.speculative, or DSD's
@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from real.context import RealRequest, finish
-from real.drafts import Draft, one_hot
-from real.links import Message
-from real.pipeline import (
+from real.model.drafts import Draft, one_hot
+from real.runtime.context import RealRequest, finish
+from real.runtime.links import Message
+from real.runtime.pipeline import (
     SCHEDULE_PHASE,
     Stage,
     Verify,
@@ -65,14 +65,14 @@ def stream(seed: int, request_id: int, salt: int) -> torch.Generator:
 
 def sends_dists(params: SamplingParams, draft: Draft | None) -> bool:
     """Whether q must travel: only a sampled draft's q cannot be rebuilt from its tokens."""
-    from real.drafts import NgramDraft
+    from real.model.drafts import NgramDraft
 
     return not params.greedy and draft is not None and not isinstance(draft, NgramDraft)
 
 
 @dataclass
 class WindowVerifier:
-    """The last stage's decision on one request's windows (``real.pipeline.Verify``)."""
+    """The last stage's decision on one request's windows (``real.runtime.pipeline.Verify``)."""
 
     params: SamplingParams
     vocab: int
@@ -95,7 +95,7 @@ class WindowVerifier:
             step = res.step
             self.key += sum(res.key)
         else:
-            step = speculative_step(p, q, guesses, self.gen)
+            step = speculative_step(p, q, draft_tokens=guesses, generator=self.gen)
         self.drafted += int(guesses.numel())
         emitted = step.tokens
         logp = torch.log_softmax(logits[:len(emitted)].float(), dim=-1)
@@ -175,5 +175,5 @@ def alpha_from_tokens(tokens_per_round: float, gamma: int) -> float:
 
 
 # the registry's entry: the first stage's side of one request, run by the pipeline layout's
-# runner (real/pipeline_run.py)
+# runner (real/runtime/pipeline_run.py)
 register("decentralized", dsd_first_stage)

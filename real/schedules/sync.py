@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from real.context import RealContext, RealRequest, finish
-from real.drafts import NgramDraft
-from real.generate import greedy_generate
+from real.model.drafts import NgramDraft
+from real.model.generate import greedy_generate
+from real.runtime.context import RealContext, RealRequest, finish
 from real.schedules import register
 from testbed.recorder import RequestRecord
 from testbed.spec.lookahead import OracleLookahead, lookahead_for
@@ -47,7 +47,7 @@ def serve_sync(ctx: RealContext, req: RealRequest) -> None:
         guesses, q = draft.propose(ids, gamma, gen, policy)
         m = ctx.now()
         p = ctx.target.probs([ids[-1], *guesses], len(ids) - 1)
-        step = speculative_step(p, q, torch.tensor(guesses, dtype=torch.long), gen)
+        step = speculative_step(p, q, draft_tokens=torch.tensor(guesses, dtype=torch.long), generator=gen)
         e = ctx.now()
         n, k = step.accepted, len(guesses)
         ids.extend(step.tokens)

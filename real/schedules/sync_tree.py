@@ -7,14 +7,14 @@ simulator) and at least until the tree holds bs nodes; the target verifies the m
 subtree of bs nodes in one tree-masked forward (testbed.spec.tree_verify) and the draft
 re-roots on the verified tokens, keeping the surviving subtree and its KV.
 The drafter is testbed's ``TreeDrafter`` (the simulator's too); distributions and caches come
-from real.tree_tokens. The simulated twin: sim/schedules/sync_tree.py.
+from real.model.tree_tokens. The simulated twin: sim/schedules/sync_tree.py.
 """
 
 from __future__ import annotations
 
-from real.context import RealContext, RealRequest, finish
+from real.model.tree_tokens import DraftTreeTokens, TargetTreeTokens, tree_models
+from real.runtime.context import RealContext, RealRequest, finish
 from real.schedules import register
-from real.tree_tokens import DraftTreeTokens, TargetTreeTokens, tree_models
 from testbed.recorder import RequestRecord
 from testbed.spec.tree_drafter import DraftRowSample, TreeDrafter, TreeKvStats
 

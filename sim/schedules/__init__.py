@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from typing import Any
 
-from sim.context import SimContext, SimRequest
+from sim.runtime.context import SimContext, SimRequest
 from testbed.registry import Registry
 from testbed.schedules import implementation_registry
 

@@ -1,6 +1,6 @@
 """`ar`: the target emits one token per forward (the baseline of every speedup).
 
-With ``placement.nodes > 1`` the target is a pipeline over nodes and links (sim.pipeline): every
+With ``placement.nodes > 1`` the target is a pipeline over nodes and links (sim.runtime.pipeline): every
 token then makes a full round trip (the baseline of `decentralized`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any
 
-from sim.context import SimContext, SimRequest
+from sim.runtime.context import SimContext, SimRequest
 from sim.schedules import register
 from testbed.recorder import RequestRecord
 
@@ -16,7 +16,7 @@ from testbed.recorder import RequestRecord
 @register("ar")
 def ar(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     if ctx.exp.placement.nodes > 1:
-        from sim.pipeline import ar_pipeline
+        from sim.runtime.pipeline import ar_pipeline
 
         yield from ar_pipeline(ctx, req)
         return

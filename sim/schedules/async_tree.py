@@ -4,7 +4,7 @@ The mirror of real/schedules/async_tree.py: the same two module-level worker fun
 (``draft_worker``, ``target_worker``) over the same testbed tree drafter and verification; here
 they are SimPy processes with modelled time. Two GPU groups of one node, each a SimPy process on its own resource: the draft group
 (``placement.draft_gpus`` GPUs, tensor parallel) owns the token tree; the target group
-(``placement.target_gpus`` GPUs) verifies. They talk over NVLink (sim.links: the selected
+(``placement.target_gpus`` GPUs) verifies. They talk over NVLink (sim.runtime.links: the selected
 subtree one way, the verified tokens back). Per iteration:
 
 - target: take the subtree (bs nodes), one forward over it, verify it (greedy path match at
@@ -15,7 +15,7 @@ subtree one way, the verified tokens back). Per iteration:
   verified tokens whose KV the draft never computed are fed with its next forward), expand until
   the tree holds at least bs nodes, and send the most probable subtree of size bs. Selecting
   (and packing) the subtree and re-rooting (with the KV compaction) hold the draft group for
-  their calibrated times (``cost.tree_round_bookkeeping``, real/calibrate_tree.py): the real
+  their calibrated times (``cost.tree_round_bookkeeping``, real/calibrate/tree.py): the real
   draft does them on its cores while the target waits for the next subtree.
 
 d: ``testbed.spec.tree_drafter.AsyncDepth`` (``schedule.tree_depth``, or, when 0, as SwiftSpec
@@ -36,12 +36,12 @@ from typing import Any
 
 import simpy
 
-from sim.context import SimContext, SimRequest
-from sim.links import Link
-from sim.pipeline import TOKEN_BYTES, topology_for
-from sim.quant import spec
+from sim.cost.quant import spec
+from sim.oracle.tree_tokens import TimedTreeDrafter, tree_tokens
+from sim.runtime.context import SimContext, SimRequest
+from sim.runtime.links import Link
+from sim.runtime.pipeline import TOKEN_BYTES, topology_for
 from sim.schedules import register
-from sim.tree_tokens import TimedTreeDrafter, tree_tokens
 from testbed.links import TREE_NODE_BYTES, TREE_TIMES_BYTES, features_bytes, subtree_message_bytes
 from testbed.recorder import RequestRecord
 from testbed.spec.tree_drafter import AsyncDepth
@@ -111,7 +111,7 @@ class Side:
     resource), its view of the peer group, the recorder."""
 
     env: simpy.Environment
-    cost: Any  # sim.cost.CostModel
+    cost: Any  # sim.cost.base.CostModel
     group: simpy.Resource
     peer: Peer
     rec: Any  # testbed.recorder.RunRecorder
@@ -266,7 +266,7 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         rounds=int(finished["rounds"])))
     ctx.extra.update(drafter.summary_fields(), **depth.summary_fields(),
                      t_target_ms=1e3 * t_target, t_draft_ms=1e3 * t_draft)
-    if hasattr(cost, "contention_factor"):  # sim.cost_profile: the groups slow each other down
+    if hasattr(cost, "contention_factor"):  # sim.cost.profile: the groups slow each other down
         sched = ctx.exp.schedule
         ctx.extra.update(contention_target=cost.contention_factor("target", sched.tree_budget),
                          contention_draft=cost.contention_factor("draft", sched.tree_width))

@@ -1,7 +1,7 @@
 """`decentralized`: DSD (seed 003) — a draft window verified per pipeline round trip.
 
 The target is a pipeline of ``placement.nodes`` stages on as many nodes, joined by the links of
-``network=`` (sim.pipeline, sim.topology); the draft runs on the first node. One round:
+``network=`` (sim.runtime.pipeline, sim.runtime.topology); the draft runs on the first node. One round:
 
 1. the draft proposes γ tokens on node 0 (γ forwards, as in `sync`);
 2. the γ+1 tokens go through the pipeline: stage i computes its layers and sends
@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
-from sim.context import SimContext, SimRequest
-from sim.oracle import ChainOutcome, SequenceOracle, SyntheticSequence
-from sim.pipeline import Pipeline
+from sim.oracle.base import ChainOutcome, SequenceOracle
+from sim.oracle.synthetic import SyntheticSequence
+from sim.runtime.context import SimContext, SimRequest
+from sim.runtime.pipeline import Pipeline
 from sim.schedules import register
 from testbed.links import draft_dists_bytes
 from testbed.recorder import RequestRecord
@@ -66,9 +67,9 @@ def adaptive_round(seq: SequenceOracle, gamma: int, tau: float, lambdas: tuple[f
     return ChainOutcome(res.step.accepted, res.step.tokens, res.step.ratios), res.key
 
 
-def closed_loop_speedup(alpha: float, gamma: int, c: float, t0: float, t1: float, links: int) -> float:
+def closed_loop_speedup(alpha: float, gamma: int, *, c: float, t0: float, t1: float, links: int) -> float:
     """DSD's speedup formula with its communication term set to `links` x t1."""
-    return dsd_speedup(alpha, gamma, c, t0, t1, links + 1)
+    return dsd_speedup(alpha, gamma, c=c, t0=t0, t1=t1, nodes=links + 1)
 
 
 def _summary(ctx: SimContext, pipe: Pipeline, acc: dict[str, float]) -> dict[str, Any]:
@@ -89,8 +90,8 @@ def _summary(ctx: SimContext, pipe: Pipeline, acc: dict[str, float]) -> dict[str
     }
     if exp.sim.cost_model == "analytic" and exp.acceptance.oracle == "iid" and exp.lookahead.policy == "static":
         a, c = exp.acceptance.alpha, exp.sim.c
-        out["theory_speedup"] = closed_loop_speedup(a, s.gamma, c, t0, t1, links)
-        out["theory_speedup_open_chain"] = dsd_speedup(a, s.gamma, c, t0, t1, pipe.nodes)
+        out["theory_speedup"] = closed_loop_speedup(a, s.gamma, c=c, t0=t0, t1=t1, links=links)
+        out["theory_speedup_open_chain"] = dsd_speedup(a, s.gamma, c=c, t0=t0, t1=t1, nodes=pipe.nodes)
     return {k_: (None if isinstance(v, float) and not math.isfinite(v) else v) for k_, v in out.items()}
 
 

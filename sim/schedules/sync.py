@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any
 
-from sim.context import SimContext, SimRequest
+from sim.runtime.context import SimContext, SimRequest
 from sim.schedules import register
 from testbed.recorder import RequestRecord
 from testbed.spec.lookahead import lookahead_for

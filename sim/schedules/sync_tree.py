@@ -7,7 +7,7 @@ counterpart of sync's γ draft forwards) and at least until the tree holds bs no
 target verifies the most probable subtree of bs nodes in one forward (testbed.spec.tree_verify)
 and the draft re-roots on the verified tokens, keeping the surviving subtree and its KV.
 Selecting the subtree is charged in the draft phase and re-rooting (with the KV compaction)
-between rounds, as the real backend spends them. Token distributions: sim.tree_tokens.
+between rounds, as the real backend spends them. Token distributions: sim.oracle.tree_tokens.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any
 
-from sim.context import SimContext, SimRequest
+from sim.oracle.tree_tokens import TimedTreeDrafter, tree_tokens
+from sim.runtime.context import SimContext, SimRequest
 from sim.schedules import register
-from sim.tree_tokens import TimedTreeDrafter, tree_tokens
 from testbed.recorder import RequestRecord
 
 
@@ -40,7 +40,7 @@ def sync_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     generated, r = 0, 0
     out: list[int] = []
     n_max = req.max_new_tokens
-    select_s, reroot_s = cost.tree_round_bookkeeping(drafter.width)  # (real/calibrate_tree.py)
+    select_s, reroot_s = cost.tree_round_bookkeeping(drafter.width)  # (real/calibrate/tree.py)
     while generated < n_max:
         t_round = env.now
         draft_s = 0.0

@@ -13,75 +13,15 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from testbed.registry import Registry
-from testbed.report.style import human_columns, sig3
+from testbed.report.context import SECTIONS, ReportContext, Section, markdown_table
 from testbed.results import Run, RunDirError, find_runs, summaries_frame
 
 ReportError = RunDirError
-
-
-@dataclass
-class ReportContext:
-    df: pd.DataFrame  # one row per run: summary.json + run_dir
-    runs: list[Run]
-    out_dir: Path
-    figures: list[str]
-    draw: bool = True  # False: tables only (the cheap per-run report)
-
-    def figure_path(self, name: str) -> Path:
-        self.figures.append(name)
-        return self.out_dir / name
-
-
-Section = Callable[[ReportContext], str]
-# (order, title, function) by the function's module and name (testbed.registry); SECTIONS: in order
-SECTION_REGISTRY: Registry[tuple[int, str, Section]] = Registry("report section")
-SECTIONS: list[tuple[int, str, Section]] = []
-
-
-def section(order: int, title: str) -> Callable[[Section], Section]:
-    """Register a report section; lower `order` comes first (then the order of registration).
-    A module imported again keeps its sections' first registration."""
-    def deco(fn: Section) -> Section:
-        key = f"{fn.__module__}.{fn.__qualname__}"
-        if key not in SECTION_REGISTRY:
-            SECTION_REGISTRY.register(key, (order, title, fn))
-            SECTIONS[:] = sorted(SECTION_REGISTRY.loaded(), key=lambda s: s[0])
-        return fn
-    return deco
-
-
-def _empty(v: object) -> bool:
-    return v is None or (isinstance(v, float) and v != v) or (isinstance(v, str) and v in ("", "—"))
-
-
-def _escape(text: object) -> str:
-    """A table cell's text: a `|` inside it would end the cell (and break the whole table)."""
-    return str(text).replace("|", "\\|")
-
-
-def markdown_table(df: pd.DataFrame, floatfmt: str | None = None) -> str:
-    """A markdown table with human column names and 3 significant figures (or `floatfmt`).
-    Columns empty in every row (e.g. `tree_shape` of a sweep without trees) are left out, and
-    pipes in headers and cells are escaped."""
-    def cell(v: object) -> str:
-        if _empty(v):
-            return "—"
-        if isinstance(v, float):
-            return floatfmt.format(v) if floatfmt else sig3(v)
-        return _escape(v)
-    if len(df):
-        df = df[[c for i, c in enumerate(df.columns) if not all(map(_empty, df.iloc[:, i]))]]
-    cols = human_columns(list(df.columns))
-    lines = ["| " + " | ".join(map(_escape, cols)) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
-    return "\n".join(lines)
 
 
 def load_sections(runs: list[Run]) -> None:
@@ -97,12 +37,12 @@ def load_sections(runs: list[Run]) -> None:
         import testbed.report.sections_validate  # noqa: F401  (sim vs real: validation.csv, parity)
 
 
-def build_report(paths: Iterable[Path | str], out_dir: Path | str, figures: bool = True,
+def build_report(paths: Iterable[Path | str], out_dir: Path | str, *, figures: bool = True,
                  workers: int = 1, pool: Callable[[int], dict[str, Any]] | None = None) -> Path:
     """Write report.md, report.html and figures into out_dir; return the report.md path.
     ``workers`` > 1 draws the sections' figures in that many processes (a sweep's report: most
     of its time is matplotlib laying out text, one section at a time); ``pool(n)`` gives joblib's
-    ``Parallel`` arguments for them (a sweep passes its warm workers: testbed.worker_pool), else
+    ``Parallel`` arguments for them (a sweep passes its warm workers: testbed.app.worker_pool), else
     ``n`` fresh loky workers.
 
     Everything is written into a temporary directory beside the output first and moved in only
@@ -168,7 +108,7 @@ def _render_section(fn: Section, ctx: ReportContext) -> str:
 
 
 def _failed_jobs(paths: list[Path | str]) -> list[dict[str, str]]:
-    from testbed.sweeps import FAILED, failures
+    from testbed.app.sweeps import FAILED, failures
 
     out = []
     for p in map(Path, paths):

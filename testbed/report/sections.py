@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from testbed.metrics import HEADLINE, KEY_FIELDS
-from testbed.report import ReportContext, markdown_table, section
+from testbed.report.context import ReportContext, markdown_table, section
 from testbed.report.schedule_kinds import chains, drafting, without_draft
 from testbed.report.style import (
     SCHEDULE_COLORS,

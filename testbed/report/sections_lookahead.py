@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from testbed.report import ReportContext, markdown_table, section
+from testbed.report.context import ReportContext, markdown_table, section
 from testbed.report.schedule_kinds import chains
 from testbed.results import run_split
 from testbed.workloads import TRACE_SPLITS

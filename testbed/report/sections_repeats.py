@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from testbed.report import ReportContext, markdown_table, section
+from testbed.report.context import ReportContext, markdown_table, section
 from testbed.report.sections import run_label, varying_keys
 from testbed.report.style import savefig
 

@@ -16,7 +16,7 @@ import math
 
 import pandas as pd
 
-from testbed.report import ReportContext, markdown_table, section
+from testbed.report.context import ReportContext, markdown_table, section
 from testbed.report.style import (
     SCHEDULE_COLORS,
     colors_for,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from testbed.report import ReportContext, markdown_table, section
+from testbed.report.context import ReportContext, markdown_table, section
 from testbed.report.sections_validate import validation_frame
 from testbed.report.style import MEASURED_COLOR, PREDICTED_COLOR, grid, legend_outside, savefig
 from testbed.schedules import BASELINE, TWO_GROUPS, find, names_where

@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from testbed import backends
-from testbed.report import ReportContext, markdown_table, section
+from testbed.report.context import ReportContext, markdown_table, section
 from testbed.report.schedule_kinds import chains, pipelined, serial
 from testbed.report.style import seaborn
 from testbed.report.validate_intervals import add_interval_columns, inside_share
@@ -75,7 +75,7 @@ def validation_frame(runs: list[Run]) -> pd.DataFrame:
     out = wide.rename(columns={"sim": "predicted", "real": "measured"})
     out = out[[*VJOIN, "family", "metric", "predicted", "measured"]]
     out["error_pct"] = 100.0 * (out["predicted"] - out["measured"]) / out["measured"]
-    out = add_interval_columns(out, runs, JOIN, METRICS, run_split)
+    out = add_interval_columns(out, runs, join=JOIN, metrics=METRICS, split_of=run_split)
     order = {m: i for i, m in enumerate(METRICS)}
     out = out.sort_values(["metric", *VJOIN], key=lambda c: c.map(order) if c.name == "metric" else c)
     return out.reset_index(drop=True)
@@ -90,7 +90,8 @@ def replay_measured(run: Run) -> dict | None:
     import pandas as pd
     import yaml
 
-    from testbed.config import ConfigError, to_experiment
+    from testbed.compose import to_experiment
+    from testbed.config import ConfigError
 
     exp_file = run.path / "experiment.yaml"
     if not exp_file.exists() or run.summary.get("schedule") not in chains():
@@ -329,7 +330,7 @@ def validation(ctx: ReportContext) -> str:
     if len(own):
         own.to_csv(ctx.out_dir / "validation_own_acceptance.csv", index=False)
         lines += own_acceptance_lines(own, "validation_own_acceptance.csv")
-    lines += sizing_lines(ctx.runs, val, ctx.out_dir, TARGET_MEDIAN, TARGET_P90)
+    lines += sizing_lines(ctx.runs, val, out_dir=ctx.out_dir, goal_median=TARGET_MEDIAN, goal_p90=TARGET_P90)
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from testbed.metrics import divergence
-from testbed.report import ReportContext, markdown_table, section
+from testbed.report.context import ReportContext, markdown_table, section
 from testbed.report.schedule_kinds import pipelined
 from testbed.report.style import savefig
 from testbed.theory import dsd_speedup
@@ -135,7 +135,7 @@ def _figure(ctx: ReportContext, tab: pd.DataFrame, real: pd.DataFrame) -> None:
         gamma = int(pd.to_numeric(r["gamma"], errors="coerce").iloc[0])
         if all(math.isfinite(x) for x in (a, c, t0)):
             xs = [lat[0] + (lat[-1] - lat[0]) * j / 40 for j in range(41)]
-            ax.plot(xs, [dsd_speedup(a, gamma, c, t0, x, int(n) + 1) for x in xs], ":", color=color,
+            ax.plot(xs, [dsd_speedup(a, gamma, c=c, t0=t0, t1=x, nodes=int(n) + 1) for x in xs], ":", color=color,
                     label=f"N={int(n)} eq. 9 (α={a:.2f}, t0={t0:.0f} ms)")
     ax.set_xlabel("one-way link latency (ms)")
     ax.set_ylabel("speedup over ar on the same pipeline")

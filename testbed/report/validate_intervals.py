@@ -62,7 +62,7 @@ def interval_rows(runs: list[Run], join: tuple[str, ...], metrics: tuple[str, ..
     return pd.DataFrame(rows)
 
 
-def add_interval_columns(val: pd.DataFrame, runs: list[Run], join: tuple[str, ...],
+def add_interval_columns(val: pd.DataFrame, runs: list[Run], *, join: tuple[str, ...],
                          metrics: tuple[str, ...], split_of: object) -> pd.DataFrame:
     """`val` with predicted_low/high, measured_low/high (NaN where not measured) and `inside`
     (the prediction within the measurement's interval; NaN without one)."""

@@ -30,7 +30,8 @@ def resimulated(sim_run: Run, edit: Callable[[Any], bool]) -> dict[str, Any] | N
     import yaml
 
     from testbed import backends
-    from testbed.config import ConfigError, to_experiment
+    from testbed.compose import to_experiment
+    from testbed.config import ConfigError
     from testbed.results import build_summary
 
     exp_file = sim_run.path / "experiment.yaml"
@@ -96,7 +97,7 @@ def own_acceptance_lines(frame: pd.DataFrame, csv: str) -> list[str]:
     """The per-family table of the report (empty without rows)."""
     if frame.empty:
         return []
-    from testbed.report import markdown_table
+    from testbed.report.context import markdown_table
 
     table = frame.groupby("family").agg(
         predictions=("measured", "size"),

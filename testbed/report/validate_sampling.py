@@ -96,7 +96,7 @@ def family_sizing(frame: pd.DataFrame, goal_median: float, goal_p90: float) -> p
     return pd.DataFrame(rows)
 
 
-def sizing_lines(runs: list[Run], val: pd.DataFrame, out_dir: Path, goal_median: float,
+def sizing_lines(runs: list[Run], val: pd.DataFrame, *, out_dir: Path, goal_median: float,
                  goal_p90: float) -> list[str]:
     """The report's paragraph and table, `validation_sampling.csv` beside them (nothing when no
     measured run has a trace-source run with per-request rounds)."""
@@ -104,7 +104,7 @@ def sizing_lines(runs: list[Run], val: pd.DataFrame, out_dir: Path, goal_median:
     sizing = family_sizing(frame, goal_median, goal_p90) if len(frame) else pd.DataFrame()
     if sizing.empty:
         return []
-    from testbed.report import markdown_table
+    from testbed.report.context import markdown_table
 
     frame.to_csv(out_dir / "validation_sampling.csv", index=False)
     return [f"\nAcceptance transfer between prompt splits (`validation_sampling.csv`): each "

@@ -36,7 +36,7 @@ _MIN_TARGET_ENTROPY = 1e-6
 def draft_params(params: SamplingParams, topk: int) -> SamplingParams:
     """The DSD draft's sampling: the run's, cut to its top ``topk`` at temperature > 0, so its
     distributions travel as top-k exactly (real/schedules/decentralized.py) and the simulator
-    charges the same sampling mode (sim/cost_profile.py)."""
+    charges the same sampling mode (sim/cost/profile.py)."""
     if params.greedy or topk <= 0:
         return params
     k = min(params.top_k, topk) if params.top_k > 0 else topk
@@ -46,7 +46,7 @@ def draft_params(params: SamplingParams, topk: int) -> SamplingParams:
 def key_tokens(
     p_t: torch.Tensor,
     p_d: torch.Tensor,
-    tokens: torch.Tensor,
+    *, tokens: torch.Tensor,
     lambda1: float,
     lambda2: float,
     lambda3: float,
@@ -117,10 +117,10 @@ def dsd_verify(
     """DSD Algorithm 1: p [γ+1, V] (target), q [γ, V] (draft), γ drafted tokens."""
     gamma = int(draft_tokens.numel())
     if gamma == 0:
-        return DSDStep(speculative_step(p, q, draft_tokens, generator), [])
-    key = key_tokens(p[:gamma], q, draft_tokens, lambda1, lambda2, lambda3, topk)
+        return DSDStep(speculative_step(p, q, draft_tokens=draft_tokens, generator=generator), [])
+    key = key_tokens(p[:gamma], q, tokens=draft_tokens, lambda1=lambda1, lambda2=lambda2, lambda3=lambda3, topk=topk)
     rows = p
     if tau > 0.0 and not bool(key.all()):
         strict_or_soft = torch.where(key.unsqueeze(-1), p[:gamma], soften(p[:gamma], q, tau))
         rows = torch.cat([strict_or_soft, p[gamma:]], dim=0)
-    return DSDStep(speculative_step(rows, q, draft_tokens, generator), key.tolist())
+    return DSDStep(speculative_step(rows, q, draft_tokens=draft_tokens, generator=generator), key.tolist())

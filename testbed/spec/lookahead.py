@@ -5,7 +5,7 @@ Two decisions, both capped at γ = ``schedule.gamma`` (SL_max):
 - before a round, ``next_gamma()``: the window's cap (static: γ; heuristic: HF's +2/−1);
 - after every draft token, ``after_token(features=, position=, accepted=)``: keep drafting,
   stop after this token, or (oracle only) drop this token and stop. Real drafts
-  (real/drafts.py) and the simulator's oracles (sim/oracle*.py) call it the same way, with the
+  (real/model/drafts.py) and the simulator's oracles (sim/oracle/) call it the same way, with the
   same per-token features (``draft_token_features``).
 
 Policies:
@@ -16,7 +16,7 @@ Policies:
   probability is below ``lookahead.threshold`` (0.4).
 - disco: seed 004 (DISCO) — a 2-layer FFN over Concat(top-k(p_D), Ent(p_D), i) gives the
   confidence that the token will be accepted; stop when it is below the threshold. Weights
-  from ``lookahead.path`` (trained by ``python -m real.train_disco``).
+  from ``lookahead.path`` (trained by ``python -m real.train.disco``).
 - oracle: the upper bound — draft exactly as far as the target accepts: keep a token the
   target would accept, drop the first one it would reject. The caller says which (real: the
   target's greedy continuation at temperature 0; simulator: the oracle's acceptance).
@@ -53,7 +53,7 @@ NATIVE_MIN_VOCAB = 4096  # draft_token_features: the native kernel from this voc
 ONE_HOT_FEATURES = (1.0,) + (0.0,) * (TOP_K - 1) + (0.0, 1.0)  # a deterministic draft (n-gram)
 CONFIDENCE_THRESHOLD = 0.4  # HF assisted generation's default assistant_confidence_threshold
 DISCO_FORMAT = "specbed-disco-1"
-TRAIN_HOWTO = "train one with `python -m real.train_disco` (or use the shipped models/disco/*.json)"
+TRAIN_HOWTO = "train one with `python -m real.train.disco` (or use the shipped models/disco/*.json)"
 
 
 class Decision(enum.Enum):

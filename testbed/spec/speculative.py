@@ -46,7 +46,7 @@ class SpecStep:
 def speculative_step(
     p: torch.Tensor,
     q: torch.Tensor,
-    draft_tokens: torch.Tensor,
+    *, draft_tokens: torch.Tensor,
     generator: torch.Generator | None = None,
     uniforms: list[float] | None = None,
 ) -> SpecStep:

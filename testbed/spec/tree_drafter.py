@@ -1,7 +1,7 @@
 """The draft side of a token-tree schedule (SwiftSpec Algorithm 1, draft half), time-free.
 
 Both backends drive the same ``TreeDrafter``: the simulator times each expansion with its cost
-model (sim.tree_tokens.TimedTreeDrafter), a real backend runs a draft forward. What differs is
+model (sim.oracle.tree_tokens.TimedTreeDrafter), a real backend runs a draft forward. What differs is
 only where the draft's distributions come from, a ``DraftSource``.
 
 API
@@ -53,7 +53,7 @@ to get the run's reuse ratio.
 ``DraftRowSample(capacity=256)`` — a uniform sample (reservoir) of the draft's ranked child
 probabilities at the nodes it expanded below the root, over every drafter sharing it: each row the
 w largest q of one node, in descending order. A replayed trace grows its trees from them
-(sim.tree_tokens.TraceTreeTokens): the shape of the recorded draft's trees, not one α's.
+(sim.oracle.tree_tokens.TraceTreeTokens): the shape of the recorded draft's trees, not one α's.
 """
 
 from __future__ import annotations

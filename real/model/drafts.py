@@ -1,0 +1,192 @@
+"""Drafts of the real backend: a small model, the target's first layers, or prompt lookup.
+
+Every draft proposes up to γ guesses for the sequence ``ids`` and the distributions ``q`` they
+were drawn from; the target then verifies with testbed.spec.speculative (Algorithm 1). Draft
+caches follow the sync schedule of sim/schedules/sync.py: the first forward of a round feeds the
+tokens the draft has not seen yet (the previous bonus, plus the last guess after a fully
+accepted round), the following γ−1 forwards feed one guess each.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from real.model.decoder import Transformer
+from real.model.runners import chain_logits, prefill
+from testbed.spec.lookahead import ONE_HOT_FEATURES, Decision, LookaheadPolicy, draft_token_features
+from testbed.spec.ngram import ngram_lookup
+from testbed.spec.sampling import SamplingParams, sample, standardize
+
+
+def one_hot(tokens: list[int], vocab: int) -> torch.Tensor:
+    """q for a deterministic draft: every guess has probability 1 (Algorithm 1 then accepts
+    x with probability p(x) and resamples from norm(max(p − q, 0)) — still lossless)."""
+    q = torch.zeros(len(tokens), vocab)
+    if tokens:
+        q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return q
+
+
+class Draft(ABC):
+    name: str = "draft"
+    # lookahead (testbed/spec/lookahead.py): per-token features of the last window's tokens
+    # (recorded into the trace; with a dropped token last) and how many the oracle dropped
+    last_features: list[list[float]]
+    last_dropped: int = 0
+    # compute features even when the policy does not read them (runs that feed traces; the
+    # top-10 and entropy over the vocabulary cost a share of a small draft's forward)
+    record_features: bool = False
+
+    def start(self, prompt_ids: list[int]) -> None:  # noqa: B027 - optional hook
+        """Per request, after the target's prefill."""
+
+    @abstractmethod
+    def propose(self, ids: list[int], gamma: int, gen: torch.Generator | None,
+                policy: LookaheadPolicy | None = None) -> tuple[list[int], torch.Tensor]:
+        """Up to ``gamma`` guesses continuing ``ids`` and their distributions ``q [n, V]``;
+        ``policy`` decides after every guess whether to go on (lookahead)."""
+
+    def commit(self, ids: list[int], accepted: int, proposed: int) -> None:  # noqa: B027
+        """After verification: ``ids`` is the new sequence (``accepted`` guesses + one token)."""
+
+    def forward_probs(self, tokens: list[int], start: int) -> torch.Tensor | None:
+        """One draft forward feeding ``tokens`` at slot ``start`` (calibration); None if the
+        draft has no model."""
+        return None
+
+
+class _ForwardDraft(Draft):
+    """A draft that runs a model forward per guess (its own model, or the target's layers)."""
+
+    def __init__(self, params: SamplingParams, vocab: int) -> None:
+        self.params, self.vocab = params, vocab
+        self.cached = 0  # tokens of the sequence whose K/V the draft holds (slots 0..cached-1)
+        self._base = 0
+
+    @abstractmethod
+    def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
+        """fp32 logits of the last fed token ``[V]``."""
+
+    @torch.inference_mode()
+    def forward_probs(self, tokens: list[int], start: int) -> torch.Tensor:
+        return standardize(self._logits(tokens, start), self.params)
+
+    @torch.inference_mode()
+    def propose(self, ids: list[int], gamma: int, gen: torch.Generator | None,
+                policy: LookaheadPolicy | None = None) -> tuple[list[int], torch.Tensor]:
+        feed, pos = ids[self.cached:], self.cached
+        self._base = len(ids)
+        guesses: list[int] = []
+        qs = []
+        self.last_features, self.last_dropped = [], 0
+        want = self.record_features or (policy is not None and policy.needs_features)
+        cheap = not self.record_features and policy is not None and policy.chosen_only
+        for i in range(gamma):
+            logits = self._logits(feed, pos)
+            q = standardize(logits, self.params)
+            t = int(q.argmax()) if self.params.greedy else sample(q, gen)
+            feats = draft_token_features(logits, t, chosen_only=cheap) if want else None
+            if feats is not None:
+                self.last_features.append(feats)
+            pos += len(feed)
+            feed = [t]
+            decision = _decide(policy, feats, position=i + 1, slot=len(ids) + i, token=t)
+            if decision is Decision.DROP:
+                self.last_dropped = 1
+                break
+            guesses.append(t)
+            qs.append(q)
+            if decision is Decision.STOP:
+                break
+        # ids plus every guess but the last were fed (a dropped guess never was)
+        self.cached = pos
+        return guesses, torch.stack(qs) if qs else torch.zeros(0, self.vocab)
+
+    def commit(self, ids: list[int], accepted: int, proposed: int) -> None:
+        # the last guess was never fed; accepted guesses beyond the cached ones are pending
+        self.cached = min(self.cached, self._base + accepted) if proposed else self.cached
+
+
+class ModelDraft(_ForwardDraft):
+    """A small model sharing the target's tokenizer, with its own KV cache."""
+
+    def __init__(self, model: Transformer, params: SamplingParams, name: str) -> None:
+        super().__init__(params, model.args.vocab_size)
+        self.model, self.name = model, name
+
+    @torch.inference_mode()
+    def start(self, prompt_ids: list[int]) -> None:
+        prefill(self.model, prompt_ids[:-1])
+        self.cached = len(prompt_ids) - 1
+
+    def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
+        if self.model.graph_forwards is not None:
+            return chain_logits(self.model, tokens, start)[-1]
+        x = torch.tensor([tokens], device=self.model.device)
+        h = self.model.forward_layers(self.model.embed(x), start)
+        return self.model.head(h[:, -1:])[0, -1]
+
+
+class EarlyExitDraft(_ForwardDraft):
+    """The target's first ``exit_layer`` layers + its final norm and LM head (self-speculation).
+
+    It shares the target's KV cache: the K/V it writes for layers < exit_layer are exactly what
+    the target writes for the same tokens at the same slots, and the verification forward
+    rewrites every slot a guess used, so nothing needs undoing after a rejection.
+    """
+
+    def __init__(self, target: Transformer, exit_layer: int, params: SamplingParams) -> None:
+        super().__init__(params, target.args.vocab_size)
+        self.target, self.exit_layer = target, exit_layer
+        self.name = f"early_exit{exit_layer}"
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.cached = len(prompt_ids) - 1  # the target's prefill filled these slots
+
+    def commit(self, ids: list[int], accepted: int, proposed: int) -> None:
+        self.cached = len(ids) - 1  # the target's verification rewrote every slot but the bonus
+
+    def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
+        x = torch.tensor([tokens], device=self.target.device)
+        h = self.target.forward_layers(self.target.embed(x), start, None, 0, self.exit_layer)
+        return self.target.head(h[:, -1:])[0, -1]
+
+
+class NgramDraft(Draft):
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
+    (n = ngram down to 1) and propose the tokens that followed it. No model; q is one-hot."""
+
+    def __init__(self, ngram: int, vocab: int) -> None:
+        self.ngram, self.vocab = ngram, vocab
+        self.name = f"ngram{ngram}"
+
+    def lookup(self, ids: list[int], gamma: int) -> list[int]:
+        return ngram_lookup(ids, ngram=self.ngram, gamma=gamma)
+
+    def propose(self, ids: list[int], gamma: int, gen: torch.Generator | None,
+                policy: LookaheadPolicy | None = None) -> tuple[list[int], torch.Tensor]:
+        found = self.lookup(ids, gamma)
+        self.last_features, self.last_dropped = [], 0
+        guesses: list[int] = []
+        for i, t in enumerate(found):
+            # one-hot q: DISCO sees only the position, confidence never stops (p = 1)
+            self.last_features.append(list(ONE_HOT_FEATURES))
+            decision = _decide(policy, ONE_HOT_FEATURES, position=i + 1, slot=len(ids) + i, token=t)
+            if decision is Decision.DROP:
+                self.last_dropped = 1
+                break
+            guesses.append(t)
+            if decision is Decision.STOP:
+                break
+        return guesses, one_hot(guesses, self.vocab)
+
+
+def _decide(policy: LookaheadPolicy | None, features: list[float] | tuple[float, ...] | None,
+            *, position: int, slot: int, token: int) -> Decision:
+    """The lookahead decision after draft token ``position`` of a window (at sequence ``slot``)."""
+    if policy is None or not policy.per_token:
+        return Decision.CONTINUE
+    accepted = policy.would_accept(slot, token) if policy.needs_acceptance else None  # type: ignore[attr-defined]
+    return policy.after_token(features=features, position=position, accepted=accepted)

@@ -1,0 +1,243 @@
+"""A feature-level draft head (EAGLE-style) that reads the target's own hidden states.
+
+The head proposes the target's next feature (the last layer's output, before the final norm)
+from the current one and the next token. Pair position j holds (f_{j-1}, x_j):
+
+    u_j   = fc([embed(x_j), norm(f_{j-1})])      (fc: 2·dim -> dim, with bias)
+    f̂_j   = one decoder layer over u_0..u_j       (the target's width and heads; its own KV cache)
+    q_j   = softmax(target.head(f̂_j))            (the target's final norm and LM head, frozen)
+
+so q_j is the draft's distribution of x_{j+1}. Drafting γ tokens runs the layer on its own
+outputs: after the real features f_{..n-2} (the target has processed every committed token but
+the last, see real/runners.py) the head predicts f̂_{n-1} from (f_{n-2}, x_{n-1}), samples
+x̂_n from it, feeds (f̂_{n-1}, x̂_n), and so on. After a verification the target's features of
+the accepted tokens replace the drafted ones (the slots are fed again), so the head never
+builds on its own guesses across rounds.
+
+The embedding, final norm and LM head are the target's tensors (shared, never copied or
+trained); the checkpoint holds the fc, the feature norm and the one layer (~4.2 M parameters
+at SmolLM2-135M's width). Lossless verification is unchanged: the head is a draft like any
+other for testbed.spec.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+import kernels
+from real.errors import RealSetupError
+from real.model.decoder import ModelArgs, Transformer
+from real.model.drafts import _ForwardDraft
+from real.model.runners import TargetRunner
+from testbed.spec.sampling import SamplingParams, standardize
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+ARCHITECTURE = "specbed-eagle"
+
+
+def head_args(target: ModelArgs) -> ModelArgs:
+    """The head's decoder layer: one layer of the target's shape (vocabulary unused: the
+    target's embedding and LM head serve)."""
+    return ModelArgs(dim=target.dim, n_layers=1, n_heads=target.n_heads, n_kv_heads=target.n_kv_heads,
+                     ffn_dim=target.ffn_dim, vocab_size=1, head_dim=target.head_dim,
+                     norm_eps=target.norm_eps, rope_theta=target.rope_theta,
+                     rope_scaling=target.rope_scaling, max_seq_len=target.max_seq_len, tie_embeddings=True)
+
+
+class EagleHead(nn.Module):
+    """fc + feature norm + one decoder layer; ``target`` lends its embedding, norm and LM head."""
+
+    def __init__(self, target_args: ModelArgs, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        dim = target_args.dim
+        self.args = head_args(target_args)
+        self.fc_weight = nn.Parameter(torch.empty(dim, 2 * dim, dtype=dtype, device=device), requires_grad=False)
+        self.fc_bias = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device), requires_grad=False)
+        self.feature_norm = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.body = Transformer(self.args, dtype, device)  # layers.0 + RoPE + KV cache
+
+    def init_random(self, seed: int = 0, std: float = 0.02) -> EagleHead:
+        gen = torch.Generator().manual_seed(seed)
+        self.body.init_random(seed, std)
+        self.fc_weight.data.copy_(torch.randn(self.fc_weight.shape, generator=gen) * std)
+        return self
+
+    def state(self) -> dict[str, Tensor]:
+        """The trained tensors (the body's placeholder embedding, norm and head excluded)."""
+        body = {k: v for k, v in self.body.state_dict().items() if k.startswith("layers.")}
+        return {"fc.weight": self.fc_weight, "fc.bias": self.fc_bias, "feature_norm": self.feature_norm,
+                **{f"body.{k}": v for k, v in body.items()}}
+
+    def inputs(self, target: Transformer, tokens: Tensor, features: Tensor) -> Tensor:
+        """u = fc([embed(tokens), norm(features)]): tokens ``[B, T]``, features ``[B, T, dim]``."""
+        e = target.embed(tokens)
+        f = kernels.rms_norm(features.to(e.dtype), self.feature_norm, self.args.norm_eps)
+        return kernels.linear(torch.cat([e, f], dim=-1), self.fc_weight) + self.fc_bias
+
+    def forward(self, target: Transformer, tokens: Tensor, features: Tensor,
+                input_pos: Tensor | int | None = None, *, cache: bool = True) -> Tensor:
+        """The predicted features ``[B, T, dim]`` (pre-norm, like the target's)."""
+        return self.body.forward_layers(self.inputs(target, tokens, features), input_pos, cache=cache)
+
+
+def save_head(head: EagleHead, out: Path, *, target_name: str, extra: dict | None = None) -> None:
+    """``out/config.json`` (architecture, the target it reads) + ``out/model.safetensors``."""
+    out.mkdir(parents=True, exist_ok=True)
+    a = asdict(head.args)
+    config = {"architecture": ARCHITECTURE, "target": target_name, **{k: a[k] for k in (
+        "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "norm_eps", "rope_theta")}, **(extra or {})}
+    tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in head.state().items()}
+    save_file(tensors, str(out / WEIGHTS_FILE))
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
+
+
+def load_head(path: Path, target: Transformer) -> EagleHead:
+    """The head at ``path`` for ``target`` (its dtype and device); one line if it does not fit."""
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+        tensors = load_file(str(path / WEIGHTS_FILE))
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise RealSetupError(f"pair.draft.path={path}: not a readable eagle head ({exc}); train one with "
+                             "python -m real.train.draft kind=eagle") from exc
+    t = target.args
+    want = {"dim": t.dim, "n_heads": t.n_heads, "n_kv_heads": t.n_kv_heads, "head_dim": t.head_dim,
+            "ffn_dim": t.ffn_dim}
+    wrong = {k: (config.get(k), v) for k, v in want.items() if config.get(k) != v}
+    if config.get("architecture") != ARCHITECTURE or wrong:
+        raise RealSetupError(f"pair.draft.path={path} is an eagle head for another target "
+                             f"({config.get('target')!r}; differs in {wrong or 'architecture'}): "
+                             "train one for this target with python -m real.train.draft kind=eagle")
+    head = EagleHead(t, target.dtype, target.device)
+    own = head.state()
+    for k, v in tensors.items():
+        if k not in own or own[k].shape != v.shape:
+            raise RealSetupError(f"pair.draft.path={path}: tensor {k} {tuple(v.shape)} does not fit "
+                                 "this head; retrain with python -m real.train.draft kind=eagle")
+        own[k].data.copy_(v)
+    return head
+
+
+class EagleDraft(_ForwardDraft):
+    """Chain proposals from an eagle head; the target hands over its features (it keeps the
+    hidden states of its last forward: ``Transformer.keep_hidden``)."""
+
+    def __init__(self, head: EagleHead, target: Transformer, params: SamplingParams, name: str) -> None:
+        super().__init__(params, target.args.vocab_size)
+        self.head, self.target, self.name = head, target, name
+        target.keep_hidden = True
+        self.features = torch.zeros(0, target.args.dim, dtype=target.dtype, device=target.device)
+        self.known = 0  # f_0..f_{known-1} are the target's
+        self._last: Tensor | None = None  # the head's last predicted feature [dim] ...
+        self._last_index = -1  # ... f̂ of this feature index
+
+    def _grow(self, n: int) -> None:
+        if self.features.shape[0] < n:
+            more = torch.zeros(max(n, 2 * self.features.shape[0]) - self.features.shape[0],
+                               self.features.shape[1], dtype=self.features.dtype, device=self.features.device)
+            self.features = torch.cat([self.features, more])
+
+    def take_target_features(self, start: int, count: int) -> None:
+        """f_start..f_{start+count-1} from the target's last forward (its first ``count`` rows)."""
+        hidden = self.target.last_hidden
+        if hidden is None or hidden.shape[1] < count:
+            raise RuntimeError("eagle: the target's last forward kept no hidden states")
+        self._grow(start + count)
+        self.features[start: start + count] = hidden[0, :count]
+        self.known = start + count
+
+    @torch.inference_mode()
+    def forward_probs(self, tokens: list[int], start: int) -> torch.Tensor:
+        """One head forward over ``tokens`` at slots ``start..`` for calibration and run probes: its
+        cost does not depend on the features' values, so zeros stand in for them."""
+        body = self.head.body
+        if body.max_seq < start + len(tokens):
+            body.setup_cache(start + len(tokens))
+        x = torch.tensor([tokens], device=self.target.device)
+        feats = torch.zeros(1, len(tokens), self.target.args.dim, dtype=self.target.dtype, device=self.target.device)
+        f = self.head(self.target, x, feats, start)
+        return standardize(self.target.head(f[:, -1:])[0, -1], self.params)
+
+    @torch.inference_mode()
+    def start(self, prompt_ids: list[int]) -> None:
+        # the target's prefill fed prompt[:-1]: f_0..f_{n-2}; pair 0 has no feature (slot unused)
+        self.head.body.setup_cache(self.target.max_seq) if self.head.body.max_seq != self.target.max_seq \
+            else self.head.body.truncate(0)
+        if len(prompt_ids) < 2:
+            raise RealSetupError("an eagle draft needs prompts of at least 2 tokens (it reads the "
+                                 "target's feature of the token before the last)")
+        self.take_target_features(0, len(prompt_ids) - 1)
+        self.cached, self._last, self._last_index = 1, None, -1
+
+    def commit(self, ids: list[int], accepted: int, proposed: int) -> None:
+        # slots >= the round's base held drafted features: fed again with the target's
+        self.cached = min(self.cached, self._base)
+        self.take_target_features(self._base - 1, accepted + 1)
+
+    def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
+        n = len(tokens)
+        if start - 1 + n <= self.known:  # every pair's feature is the target's
+            feats = self.features[start - 1: start - 1 + n]
+        elif n == 1 and self._last is not None and start - 1 == self._last_index:
+            feats = self._last[None]
+        else:
+            raise RuntimeError(f"eagle: no feature for pair {start} (target's up to {self.known})")
+        x = torch.tensor([tokens], device=self.target.device)
+        f = self.head(self.target, x, feats[None], start)
+        self._last, self._last_index = f[0, -1], start + n - 1
+        return self.target.head(f[:, -1:])[0, -1]
+
+
+# ------------------------------------------------------------------------------ evaluation
+def is_eagle_dir(path: Path) -> bool:
+    try:
+        return json.loads((path / CONFIG_FILE).read_text()).get("architecture") == ARCHITECTURE
+    except (OSError, ValueError):
+        return False
+
+
+@torch.inference_mode()
+def forced_logits(head: EagleHead, target: Transformer, tokens: list[int], start: int) -> Tensor:
+    """The head's logits predicting ``tokens[start:]`` (start >= 2), each from the target's
+    true feature of the token before (one step from real features: what the first guess of a
+    round sees; later guesses read the head's own features, see ``chain_accepted``)."""
+    target.setup_cache(len(tokens), 1)
+    x = torch.tensor([tokens])
+    feats = target.forward_layers(target.embed(x), 0)
+    pred = head(target, x[:, 1:], feats[:, :-1], cache=False)  # f̂_1 .. f̂_{L-1}
+    return target.head(pred[:, start - 2: len(tokens) - 2])[0]
+
+
+@torch.inference_mode()
+def chain_accepted(head: EagleHead, target: Transformer, tokens: list[int], *, n_prompt: int,
+                   gamma: int) -> list[int]:
+    """Accepted guesses per T0 sync round when the head drafts γ tokens on its own features and
+    the target's continuation is ``tokens[n_prompt:]`` (its greedy output): a round at i proposes
+    γ guesses after tokens[:i], keeps the run that equals tokens[i:], and the next starts after
+    the correction. Only rounds with a full window of γ positions are counted."""
+    params = SamplingParams()
+    target.setup_cache(len(tokens) + gamma + 2, 1)
+    runner = TargetRunner(target, params)
+    draft = EagleDraft(head, target, params, "eagle")
+    out, i = [], n_prompt
+    try:
+        runner.prefill(tokens[:i])
+        draft.start(tokens[:i])
+        while i + gamma <= len(tokens):
+            guesses, _ = draft.propose(tokens[:i], gamma, None)
+            n = next((j for j, g in enumerate(guesses) if g != tokens[i + j]), len(guesses))
+            out.append(n)
+            runner.probs([tokens[i - 1], *guesses], i - 1)  # the verification (its features)
+            i += n + 1
+            if i <= len(tokens):
+                draft.commit(tokens[:i], n, len(guesses))
+    finally:
+        target.keep_hidden = False
+    return out

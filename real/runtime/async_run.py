@@ -1,0 +1,199 @@
+"""A real `schedule=async` run: two disjoint device groups, one worker process per device.
+
+``run_async(exp, placement)`` launches ``async_rank`` on every rank of the ``async`` placement
+(testbed.placement: a ``target`` group and a ``draft`` group, TP inside each, the bridge
+between their leaders). Each rank loads its group's model, shards it over its group
+(real.model.tp), and serves the prompts with its half of the schedule
+(real/schedules/async_tree.py: ``target_worker`` or ``draft_worker``).
+
+``speedup`` needs ``ar`` on the target's devices: after the async requests the target group
+runs ``ar`` SPMD on its own devices, alone (the draft group waits on the bridge, one message
+per baseline request so no receive times out).
+
+Records: the target leader records rounds and requests; both leaders record spans (draft
+expand / re-root, target verify, the bridge's link spans) on the run clock shared by all
+workers; ``real.runtime.launch.merge_records`` makes them one run (timeline.parquet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from real.calibrate.probe_forward import PROBE_TOKENS, RunProbe, model_probe, target_probes
+from real.errors import RealSetupError
+from real.model.runners import TargetRunner
+from real.model.tree_tokens import LocalModel
+from real.runtime.context import RealContext
+from real.runtime.layouts import RUNNERS, Runner
+from real.runtime.links import Kind, Message
+from real.runtime.telemetry import Telemetry, run_files
+from real.schedules import TwoGroups, get_schedule
+from real.schedules.async_tree import Peer, Side
+from testbed.config import ExperimentConfig, real_dtype
+from testbed.placement import Placement
+from testbed.recorder import RunRecorder, RunResult
+from testbed.schedules import BASELINE, TWO_GROUPS, schedule_impl
+from testbed.spec.ngram import NgramTreeSource
+from testbed.spec.sampling import SamplingParams
+from testbed.spec.tree_drafter import DraftSource
+
+
+@dataclass
+class AsyncServed:
+    """What one rank of an async run sends back."""
+
+    role: str
+    outputs: list[list[int]]
+    baseline: RunRecorder | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    telemetry: Any = None  # the target leader's samples (pandas frame) and their summary
+    telemetry_summary: dict | None = None
+
+
+def check_draft(exp: ExperimentConfig) -> None:
+    d = exp.pair.draft
+    if d.kind not in ("transformer", "ngram"):
+        raise RealSetupError(f"pair.draft={d.name!r} ({d.kind}) cannot grow a token tree on a device "
+                             "group of its own: schedule=async needs a draft model (e.g. "
+                             "pair=smollm2_135m+smollm2_draft, or pair.draft=ngram3); use schedule=sync for this draft")
+
+
+def _load(exp: ExperimentConfig, role: str, params: SamplingParams):  # type: ignore[no-untyped-def]
+    """(this group's model — None for the n-gram draft —, the requests, EOS ids, the vocabulary
+    size): both groups tokenize the prompts alike."""
+    from real.model.drafts import ModelDraft
+    from real.runtime.engine import cache_slots
+    from real.runtime.loading import build_requests, load, make_draft, model_device
+
+    t = exp.pair.target
+    target, tokenizer = load(t.path, "pair.target", model_name=t.name, dtype=real_dtype(exp), device=model_device(exp),
+                             cuda_graphs=exp.real.cuda_graphs)
+    requests = build_requests(exp, tokenizer, target.args.max_seq_len)
+    eos = frozenset() if exp.real.ignore_eos else frozenset(tokenizer.eos_token_ids)
+    target_slots, draft_slots = cache_slots(exp, requests)
+    if role == "target":
+        model, slots = target, target_slots
+    elif exp.pair.draft.kind == "ngram":  # no model: the draft group only looks tokens up
+        return None, requests, eos, target.args.vocab_size
+    else:
+        draft = make_draft(exp, target, tokenizer, params)
+        assert isinstance(draft, ModelDraft)  # check_draft ran in the launcher
+        model, slots = draft.model, draft_slots
+    if model.max_seq < slots:
+        model.setup_cache(slots)
+    return model, requests, eos, target.args.vocab_size
+
+
+def ngram_source(exp: ExperimentConfig, params: SamplingParams, vocab: int,
+                 ) -> Callable[[list[int], torch.Generator], DraftSource] | None:
+    """The n-gram draft's tree source factory (testbed.spec.ngram); None for a model draft."""
+    if exp.pair.draft.kind != "ngram":
+        return None
+    n, mode = exp.pair.draft.ngram, "topk" if params.greedy else "sample"
+    return lambda ids, gen: NgramTreeSource(ids, ngram=n, vocab=vocab, mode=mode, generator=gen)
+
+
+def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real.runtime.worker.WorkerContext
+    """One rank of an async run (module level: spawned workers import it)."""
+    from real.model.tp import apply_tp
+
+    exp, role = ctx.exp, ctx.role
+    s = exp.schedule
+    halves = get_schedule(schedule_impl(exp))  # the schedule's two halves (real/schedules)
+    assert isinstance(halves, TwoGroups)
+    params = SamplingParams(exp.sampling.temperature, exp.sampling.top_k, exp.sampling.top_p)
+    other = "draft" if role == "target" else "target"
+    peer = Peer(ctx.transport_from(other) if ctx.is_leader else None,
+                ctx.transport_to(other) if ctx.is_leader else None, ctx.broadcast_decision)
+    with torch.inference_mode():
+        model, requests, eos, vocab = _load(exp, role, params)
+        if ctx.group.tp > 1 and model is not None:
+            apply_tp(model, rank=ctx.info.index, world=ctx.group.tp, group=ctx.tp_group(),
+                     allreduce=exp.real.allreduce)
+        rec = ctx.rec if ctx.is_leader else RunRecorder()
+        fns = {} if model is None else (target_probes(model, params) if role == "target" else  # (RunProbe's fields)
+                                        {role: model_probe(model, params),
+                                         f"{role}_k8": model_probe(model, params, tokens=PROBE_TOKENS,
+                                                                   distributions=False)})
+        probe = RunProbe(fns, group=ctx.tp_group() if ctx.group.tp > 1 else None, requests=len(requests))
+        side = Side(model, LocalModel(model) if model is not None else None, params, peer, rec,
+                    ctx.now, exp.seed, draft_source=ngram_source(exp, params, vocab), probe=probe)
+        served = AsyncServed(role, [])
+        if role == "target":
+            telemetry = Telemetry(exp.real.device)
+            with telemetry if ctx.is_leader else contextlib.nullcontext():
+                halves.probe_target(side, exp, requests[0])
+                for req in requests:
+                    halves.before_request(side, role, req)
+                    served.outputs.append(halves.target(side, req, eos))
+            if ctx.is_leader:
+                served.telemetry, served.telemetry_summary = telemetry.frame(), telemetry.summary()
+            served.baseline = _baseline(exp, model, params=params, requests=requests, eos=eos, peer=peer)
+        else:
+            depth, t_target, t_draft = halves.probe_draft(side, exp, requests[0])
+            for req in requests:
+                halves.before_request(side, role, req)
+                halves.draft(side, req, depth, width=s.tree_width, budget=s.tree_budget)
+            _idle_during_baseline(exp, requests, peer)
+            served.extra = {**depth.summary_fields(), "t_target_ms": 1e3 * t_target,
+                            "t_draft_ms": 1e3 * t_draft, "tree_width": s.tree_width,
+                            "tree_budget": s.tree_budget, "tree_kv_reuse": side.kv.reuse,
+                            "draft_rows": side.rows.rows}
+        served.extra.update({f"async_{k}_s": v for k, v in side.overhead.items()})
+        served.extra.update({k: v for k, v in probe.fields().items() if k != "probe_points" or role == "target"})
+    if not ctx.is_leader:
+        ctx.rec = RunRecorder()
+    return served
+
+
+def _baseline(exp: ExperimentConfig, model, *, params: SamplingParams, requests, eos,  # type: ignore[no-untyped-def]
+              peer: Peer) -> RunRecorder | None:
+    """`ar` on the target group alone; a message to the draft after each request."""
+    if not exp.real.baseline:
+        return None
+    serve_ar = get_schedule(BASELINE)
+    ctx = RealContext(exp, TargetRunner(model, params), None, RunRecorder(), eos, params,
+                      lambda n: None, time.perf_counter())
+    for req in requests:
+        serve_ar(ctx, req)
+        peer.send(Message(Kind.DATA, request_id=req.request_id))
+    return ctx.rec
+
+
+def _idle_during_baseline(exp: ExperimentConfig, requests, peer: Peer) -> None:  # type: ignore[no-untyped-def]
+    if exp.real.baseline:
+        for _ in requests:
+            peer.recv()
+
+
+def run_async(exp: ExperimentConfig, placement: Placement) -> RunResult:
+    from real.runtime.launch import launch, merge_records
+
+    check_draft(exp)
+    results = launch(exp, async_rank, placement=placement)
+    if not results:  # torchrun: not rank 0
+        return RunResult(recorder=RunRecorder(), baseline=None, extra={"writer": False})
+    target = [r for r in results if r.role == "target"]
+    leader = min(target, key=lambda r: r.rank)
+    for other in target:
+        if other.value.outputs != leader.value.outputs:
+            raise RealSetupError(
+                f"rank {other.rank} (target) generated other tokens than rank {leader.rank}: the "
+                "ranks of the target group diverged (non-deterministic all-reduce?); rerun with "
+                "real.allreduce=gloo")
+    draft = min((r for r in results if r.role == "draft"), key=lambda r: r.rank)
+    extra = {"draft": exp.pair.draft.name, "dtype": real_dtype(exp), "threads": 1,
+             "workload_split": exp.workload.split, "max_new_tokens": exp.workload.max_new_tokens,
+             "processes": len(results), "allreduce": exp.real.allreduce,
+             **draft.value.extra, **leader.value.extra}
+    return RunResult(recorder=merge_records(results), baseline=leader.value.baseline, extra=extra,
+                     artifacts=run_files(leader.value.telemetry, leader.value.telemetry_summary))
+
+
+RUNNERS.register(TWO_GROUPS, Runner(run_async, launches_per_run=True))

@@ -1,0 +1,58 @@
+"""`+calibrate` on the bundled model with a tiny grid: the profile it writes is one the `profile`
+cost model reads, and the simulator runs on it. (No timing asserts: only structure and sanity.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kernels import preferred_dtype
+from tests.conftest import compose_exp
+
+pytest.importorskip("gguf")
+
+
+def test_quick_calibration_feeds_the_profile_cost_model(tmp_path: Path) -> None:
+    from real.calibrate.profile import PROFILE_THREADS, SCHEMA, Grid, calibrate
+    from sim.cost.profile import ProfileCost
+    from sim.runtime.engine import run as sim_run
+
+    # real.threads unset, as `backend=real +calibrate` runs: the threads the sweeps run at
+    exp = compose_exp("backend=real", "pair=smollm2_135m+smollm2_exit10")
+    grid = Grid.quick()
+    path = calibrate(exp, run_dir=tmp_path / "run", grid=grid, log=lambda _: None, messages=False, tp=False,
+                     out_path=tmp_path / "local.json")
+    prof = json.loads(path.read_text())
+    # real.dtype=auto, resolved for this host: the profile records what it measured
+    assert prof["schema"] == SCHEMA and prof["threads"] == PROFILE_THREADS == 1
+    assert prof["dtype"] == preferred_dtype("cpu")
+    assert prof["cores"] >= 1  # what TP degrees it could measure
+    assert (tmp_path / "run" / "profile.json").exists()
+    assert {"smollm2_135m", "smollm2_exit10", "ngram3"} <= set(prof["models"])
+    fwd = prof["models"]["smollm2_135m"]["forward"]["greedy"]
+    assert len(fwd["seconds"]) == len(grid.context) and len(fwd["seconds"][0]) == len(grid.target_k)
+    from testbed.spec.sampling import SAMPLING_MODES
+    for name in ("smollm2_135m", "smollm2_exit10"):  # per mode, on the model's vocabulary
+        node = prof["models"][name]["sampling"]
+        assert set(node["seconds"]) == set(SAMPLING_MODES) and node["vocab"] == 49152
+    assert "sampling" not in prof["models"]["ngram3"]  # one-hot q: nothing to standardize
+    for row in fwd["seconds"]:  # smoothed tables never decrease in k
+        assert all(b >= a > 0 for a, b in zip(row, row[1:]))
+    sim = compose_exp("pair=smollm2_135m+smollm2_exit10", "hardware=local", "sim.cost_model=profile",
+                      f"sim.profile_path={path}", "workload.num_prompts=1", "workload.max_new_tokens=8",
+                      "workload.prompt_len=32")
+    cost = ProfileCost(sim)
+    assert cost.forward("target", 5, 40) > cost.forward("draft", 1, 40) > 0
+    summary = sim_run(sim).recorder.frames()[1]
+    assert summary["tokens_per_s"].iloc[0] > 0
+
+
+@pytest.mark.slow
+def test_gloo_message_benchmark_fits_alpha_beta() -> None:
+    from real.calibrate.links import measure_messages
+
+    res = measure_messages([4, 65536, 4194304], repeats=20)
+    assert res["alpha_s"] >= 0 and res["beta_s_per_byte"] > 0
+    assert res["seconds"][-1] > res["seconds"][0]

@@ -1,0 +1,69 @@
+"""The CUDA-graph forward (real/model/cuda_graphs.py): its captured body is the model's chain forward.
+
+The body runs eagerly on the CPU here and must give the logits and the KV cache of
+``Transformer.forward`` at the same slots; where a GPU is present, the replayed graph must too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from real.model.cuda_graphs import GraphedForwards
+from real.model.decoder import Transformer
+from real.model.runners import chain_logits
+from tests.helpers.real_models import TINY
+
+
+def _model(device: str = "cpu") -> Transformer:
+    model = Transformer(TINY, dtype=torch.float32, device=device).init_random(seed=3)
+    model.setup_cache(48)
+    return model.eval()
+
+
+def _caches(model: Transformer) -> list[torch.Tensor]:
+    return [c.clone() for layer in model.layers for c in (layer.attention.kv_cache.k_cache,
+                                                          layer.attention.kv_cache.v_cache)]
+
+
+@pytest.mark.parametrize(("start", "k"), [(5, 1), (9, 3), (20, 8), (31, 16)])
+@torch.inference_mode()
+def test_static_body_equals_the_forward(start: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(start)
+    prefix = torch.randint(0, TINY.vocab_size, (1, start), generator=gen)
+    window = torch.randint(0, TINY.vocab_size, (1, k), generator=gen)
+    eager, static = _model(), _model()
+    for m in (eager, static):
+        m(prefix, input_pos=0)
+    want = eager(window, input_pos=start)[0]
+    got = GraphedForwards(static).static_logits(window, torch.arange(start, start + k))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for a, b in zip(_caches(static), _caches(eager)):
+        torch.testing.assert_close(a[:, :, : start + k], b[:, :, : start + k], rtol=1e-6, atol=1e-6)
+
+
+def test_graphs_never_apply_off_cuda() -> None:
+    model = _model()
+    model.graph_forwards = GraphedForwards(model)
+    assert not GraphedForwards.applies(model)
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3]]), input_pos=0)
+        got = chain_logits(model, [4, 5], 3)  # falls back to the eager forward
+    assert got.shape == (2, TINY.vocab_size) and model.graph_forwards.replays == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@torch.inference_mode()
+def test_replayed_graph_equals_eager_on_cuda() -> None:
+    eager, graphed = _model("cuda"), _model("cuda")
+    graphed.graph_forwards = GraphedForwards(graphed)
+    ids = list(range(1, 12))
+    for m in (eager, graphed):
+        m(torch.tensor([ids]), input_pos=0)
+    for start, window in ((11, [7]), (12, [3, 4, 5]), (15, [9] * 16), (31, [2])):
+        want = eager(torch.tensor([window], device="cuda"), input_pos=start)[0].cpu()
+        got = chain_logits(graphed, window, start)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert graphed.kv_len == eager.kv_len == start + len(window)
+    assert graphed.graph_forwards.replays == 4

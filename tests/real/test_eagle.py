@@ -1,0 +1,200 @@
+"""The eagle draft (real/model/eagle.py): lossless in every chain schedule, the target's features handed
+over exactly, training that learns, and heads that do not fit refused in one line."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from real.errors import RealSetupError
+from real.model.decoder import Transformer
+from real.model.eagle import (
+    EagleDraft,
+    EagleHead,
+    chain_accepted,
+    forced_logits,
+    load_head,
+    save_head,
+)
+from real.model.runners import TargetRunner
+from real.runtime.context import RealContext, RealRequest
+from real.schedules.ar import serve_ar
+from real.schedules.sync import serve_sync
+from real.train.eagle import eagle_loss, pack_rows, target_features, train_head
+from testbed.config import ConfigError
+from testbed.recorder import RunRecorder
+from testbed.spec.sampling import SamplingParams
+from tests.conftest import compose_exp
+from tests.helpers.real_models import TINY, tiny
+
+
+def _ctx(exp, target, draft, params) -> RealContext:  # type: ignore[no-untyped-def]
+    return RealContext(exp, TargetRunner(target, params), draft, RunRecorder(), frozenset(), params,
+                       lambda n: None, 0.0)
+
+
+def _serve(ctx: RealContext, serve, requests) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    for r in requests:
+        serve(ctx, r)
+    return [r["output_ids"] for r in ctx.rec.requests]
+
+
+def _requests(n: int = 3, new: int = 20) -> list[RealRequest]:
+    gen = torch.Generator().manual_seed(1)
+    return [RealRequest(i, f"p{i}", torch.randint(0, TINY.vocab_size, (4 + 3 * i,), generator=gen).tolist(), new)
+            for i in range(n)]
+
+
+def _copy_target() -> Transformer:
+    """A tiny target that copies: tied embeddings of std 1 dominate a residual stream whose layers
+    add ~0.02-scale updates, so each token's own logit is the largest and the greedy continuation
+    of x is x. (Its features still carry the context through attention: the head must learn
+    to read the token input and ignore the rest.)"""
+    args = type(TINY)(**{**TINY.__dict__, "tie_embeddings": True})
+    target = Transformer(args).init_random(0)
+    target.tok_embeddings.weight.data.copy_(torch.randn(target.tok_embeddings.weight.shape,
+                                                        generator=torch.Generator().manual_seed(5)))
+    target.setup_cache(args.max_seq_len)
+    return target
+
+
+@pytest.mark.parametrize("overrides", [("schedule.gamma=1",), ("schedule.gamma=4",),
+                                       ("backend=real", "schedule.gamma=4", "lookahead=confidence"),
+                                       ("backend=real", "schedule.gamma=5", "lookahead=heuristic")])
+def test_sync_with_an_eagle_head_equals_ar_at_temperature_0(overrides) -> None:  # type: ignore[no-untyped-def]
+    exp = compose_exp(*overrides)
+    params = SamplingParams()
+    target = tiny(0)
+    reqs = _requests()
+    ar = _serve(_ctx(exp, target, None, params), serve_ar, reqs)
+    draft = EagleDraft(EagleHead(target.args).init_random(2), target, params, "eagle")
+    ctx = _ctx(exp, target, draft, params)
+    try:
+        out = _serve(ctx, serve_sync, reqs)
+    finally:
+        target.keep_hidden = False
+    assert out == ar and all(len(o) == 20 for o in out)
+    rounds = ctx.rec.frames()[0]
+    assert (rounds.accepted <= rounds.drafted).all() and (rounds.drafted >= 1).all()
+
+
+def test_the_features_after_a_reroot_equal_a_recomputation_from_scratch() -> None:
+    """After rounds of draft/verify/commit the head's next proposal (its cache of real features
+    and its drafted ones) equals a fresh head's that started from the whole sequence."""
+    params = SamplingParams()
+    target, fresh_target = tiny(0), copy.deepcopy(tiny(0))
+    head = EagleHead(target.args).init_random(3)
+    runner = TargetRunner(target, params)
+    draft = EagleDraft(head, target, params, "eagle")
+    ids = _requests(1)[0].prompt_ids
+    runner.prefill(ids)
+    draft.start(ids)
+    try:
+        for gamma in (3, 1, 4, 2):
+            guesses, _ = draft.propose(ids, gamma, None)
+            p = runner.probs([ids[-1], *guesses], len(ids) - 1)
+            # accept a prefix of the guesses that the target would not (forces a re-root)
+            accepted = min(len(guesses) - 1, 1)
+            ids = ids + guesses[:accepted] + [int(p[accepted].argmax())]
+            draft.commit(ids, accepted, len(guesses))
+        guesses, q = draft.propose(ids, 4, None)
+        fresh = EagleDraft(copy.deepcopy(head), fresh_target, params, "eagle")
+        TargetRunner(fresh_target, params).prefill(ids)
+        fresh.start(ids)
+        fresh_guesses, fresh_q = fresh.propose(ids, 4, None)
+    finally:
+        target.keep_hidden = fresh_target.keep_hidden = False
+    assert guesses == fresh_guesses
+    torch.testing.assert_close(q, fresh_q, atol=1e-5, rtol=1e-4)
+
+
+def test_training_on_a_tiny_target_learns_its_copy_behaviour() -> None:
+    """Teacher-forced random documents; the trained head agrees with the target's next token far
+    more often than the untrained one (fixed seeds), and sync then accepts most guesses."""
+    torch.manual_seed(0)
+    target = _copy_target()
+    gen = torch.Generator().manual_seed(7)
+    docs = [torch.randint(0, TINY.vocab_size, (48,), generator=gen).tolist() for _ in range(40)]
+    rows = pack_rows(target_features(target, docs, 48), 32, seed=0)
+    head = EagleHead(target.args).init_random(0)
+    with torch.no_grad():
+        _, before = eagle_loss(head, target, rows[0][:16], rows[1][:16], noise=0.0, feature_weight=1.0)
+    train_head(head, target, rows, steps=80, batch_rows=8, lr=1e-2, seed=0, noise=0.05)
+    with torch.no_grad():
+        _, after = eagle_loss(head, target, rows[0][:16], rows[1][:16], noise=0.0, feature_weight=1.0)
+    assert before < 0.5 and after > 0.95, (before, after)
+    exp = compose_exp("schedule.gamma=4")
+    params = SamplingParams()
+    draft = EagleDraft(head, target, params, "eagle")
+    ctx = _ctx(exp, target, draft, params)
+    try:
+        out = _serve(ctx, serve_sync, _requests(2, 24))
+    finally:
+        target.keep_hidden = False
+    rounds = ctx.rec.frames()[0]
+    ar = _serve(_ctx(exp, target, None, params), serve_ar, _requests(2, 24))
+    assert out == ar
+    assert rounds.accepted.sum() / rounds.drafted.sum() > 0.8
+    # real.eval_draft's measures of a head: one step from true features, chains on its own
+    req = _requests(2, 24)[1]
+    seq = req.prompt_ids + ar[1]
+    n = len(req.prompt_ids)
+    forced = forced_logits(head, target, seq, n).argmax(-1)
+    assert (forced == torch.tensor(seq[n:])).float().mean() > 0.9
+    accepted = chain_accepted(head, target, seq, n_prompt=n, gamma=4)
+    assert len(accepted) >= 4 and sum(accepted) / len(accepted) > 3.0
+
+
+def test_a_head_for_another_target_and_a_corrupt_head_are_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    target = tiny(0)
+    other = Transformer(type(TINY)(**{**TINY.__dict__, "dim": 32, "n_heads": 2, "n_kv_heads": 1})).init_random(0)
+    save_head(EagleHead(other.args).init_random(0), tmp_path / "other", target_name="other")
+    with pytest.raises(RealSetupError, match="another target"):
+        load_head(tmp_path / "other", target)
+    save_head(EagleHead(target.args).init_random(0), tmp_path / "ok", target_name="tiny")
+    torch.testing.assert_close(load_head(tmp_path / "ok", target).fc_weight,
+                               EagleHead(target.args).init_random(0).fc_weight)
+    (tmp_path / "ok" / "model.safetensors").write_bytes(b"xx")
+    with pytest.raises(RealSetupError, match="not a readable eagle head"):
+        load_head(tmp_path / "ok", target)
+
+
+def test_eagle_configs_are_checked() -> None:
+    exp = compose_exp("pair=smollm2_135m+smollm2_eagle")
+    assert exp.pair.draft.kind == "eagle"
+    with pytest.raises(ConfigError, match="pair.draft.hidden"):
+        compose_exp("pair=smollm2_135m+smollm2_eagle", "pair.draft.hidden=512")
+    with pytest.raises(ConfigError, match="eagle head drafts chains"):
+        compose_exp("backend=real", "pair=smollm2_135m+smollm2_eagle", "schedule=async")
+
+
+def test_the_simulator_costs_an_eagle_head_as_one_layer_an_fc_and_the_lm_head() -> None:
+    import dataclasses
+
+    from sim.cost.quant import spec, weight_bytes
+    from sim.cost.roofline import RooflineCost
+    from sim.cost.roofline_forward import forward_cost
+
+    exp = compose_exp("pair=llama3_8b+llama3_8b_eagle")
+    t, d, hw = exp.pair.target, exp.pair.draft, exp.hardware
+    head = forward_cost(d, hw, tp=1, tokens=4, context=512)
+    one_layer = forward_cost(dataclasses.replace(t, layers=1), hw, tp=1, tokens=4, context=512)
+    # the same layer, embedding and LM head as a one-layer target, plus the fc over [embedding, feature]
+    fc = weight_bytes(d.quant, 2 * d.hidden, d.hidden) + spec(d.quant).act_bytes * 4 * 3 * d.hidden
+    assert head.hbm_bytes - one_layer.hbm_bytes == pytest.approx(fc)
+    assert head.flops - one_layer.flops == pytest.approx(2 * 4 * 2 * d.hidden * d.hidden)
+    # Llama-3's 128k-row LM head is most of the head's cost: c ~ 0.2 on an H800
+    assert head.total_s < forward_cost(t, hw, tp=1, tokens=4, context=512).total_s / 4
+    # beside the target in sync: on the target's GPUs, whatever placement.draft_gpus says
+    cost = RooflineCost(compose_exp("pair=llama3_8b+llama3_8b_eagle", "placement.target_gpus=2"))
+    assert cost.models["draft"][1] == 2
+
+
+def test_the_target_reply_carries_the_features_an_eagle_draft_reads() -> None:
+    from sim.schedules.async_tree import reply_feature_bytes
+
+    eagle = compose_exp("pair=llama3_70b+llama3_70b_eagle", "schedule=async")
+    assert reply_feature_bytes(eagle) == eagle.pair.target.hidden * 2  # bf16 features
+    assert reply_feature_bytes(compose_exp("pair=llama3_70b+llama3_2_3b", "schedule=async")) == 0

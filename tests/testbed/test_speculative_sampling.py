@@ -1,0 +1,199 @@
+"""Standardized sampling and chain speculative sampling (Algorithm 1 of seed 001).
+
+The statistical tests decode with Algorithm 1 on a procedural target/draft pair (a γ-token draft
+sampled from q, verified by ``speculative_step``, repeated until two tokens are out) and compare
+the law of the first emitted token and of the first two jointly with the exact target law, in
+total variation. Resampling from p instead of the residual must fail the same tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import testbed.spec.speculative as speculative
+from testbed.spec.sampling import SamplingParams, sample, standardize
+from testbed.spec.speculative import speculative_step
+from tests.helpers.spec_oracle import TokenOracle, single_thread, tv_distance
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with single_thread():
+        yield
+
+
+DRAWS = 20_000
+TV_FIRST = 0.02  # sampling noise at 20k draws over <= 8 outcomes is about 0.007
+TV_PAIR = 0.04  # ... and about 0.02 over the <= 64 outcomes of two tokens
+
+FAMILIES = {
+    "t1.0": TokenOracle(vocab=6, seed=21),
+    "t0.7-topk3": TokenOracle(
+        vocab=8, seed=22, target=SamplingParams(0.7, top_k=3), draft=SamplingParams(0.9, top_k=5),
+        draft_noise=1.5,
+    ),
+    "t1.3-topp0.8": TokenOracle(
+        vocab=5, seed=23, target=SamplingParams(1.3, top_p=0.8), draft=SamplingParams(1.0, top_p=0.9)
+    ),
+    "disjoint": TokenOracle(vocab=6, seed=24, target_support=(0, 1, 2), draft_support=(3, 4, 5)),
+    "sharp-draft": TokenOracle(vocab=6, seed=25, target=SamplingParams(1.5), draft=SamplingParams(0.4)),
+}
+
+
+def decode_chain(oracle: TokenOracle, gamma: int, n_tokens: int, gen: torch.Generator) -> list[int]:
+    ctx: tuple[int, ...] = (0,)
+    out: list[int] = []
+    while len(out) < n_tokens:
+        drafted, q_rows, p_rows = [], [], []
+        for _ in range(gamma):  # the draft samples its guesses autoregressively from q
+            q_rows.append(oracle.q(ctx + tuple(drafted)))
+            p_rows.append(oracle.p(ctx + tuple(drafted)))
+            drafted.append(sample(q_rows[-1], gen))
+        p_rows.append(oracle.p(ctx + tuple(drafted)))
+        step = speculative_step(torch.stack(p_rows), torch.stack(q_rows), draft_tokens=torch.tensor(drafted), generator=gen)
+        assert step.tokens[:-1] == drafted[: step.accepted]
+        out += step.tokens
+        ctx += tuple(step.tokens)
+    return out
+
+
+def measure_tv(oracle: TokenOracle, gamma: int, draws: int = DRAWS, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    pairs = [tuple(decode_chain(oracle, gamma, 2, gen)[:2]) for _ in range(draws)]
+    tv_first = tv_distance([pr[:1] for pr in pairs], oracle.exact_first((0,)))
+    return tv_first, tv_distance(pairs, oracle.exact_pair((0,)))
+
+
+@pytest.mark.parametrize(("family", "gamma"), [("t1.0", 2), ("t0.7-topk3", 3), ("disjoint", 2)])
+def test_algorithm1_reproduces_the_target_law(family, gamma):
+    tv_first, tv_pair = measure_tv(FAMILIES[family], gamma)
+    assert tv_first < TV_FIRST and tv_pair < TV_PAIR, (tv_first, tv_pair)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gamma", [1, 3])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_algorithm1_reproduces_the_target_law_all_families(family, gamma):
+    tv_first, tv_pair = measure_tv(FAMILIES[family], gamma, seed=1)
+    assert tv_first < TV_FIRST and tv_pair < TV_PAIR, (tv_first, tv_pair)
+
+
+def test_negative_control_resampling_from_p_fails(monkeypatch):
+    # after a rejection, sample from p instead of norm(max(0, p - q)): biased towards q's tokens
+    monkeypatch.setattr(speculative, "residual", lambda p, q: p)
+    tv_first, tv_pair = measure_tv(FAMILIES["sharp-draft"], 2, draws=5_000)
+    assert tv_first > TV_FIRST and tv_pair > TV_PAIR, (tv_first, tv_pair)
+
+
+def test_rejection_and_acceptance_are_exact_on_a_hand_case():
+    p = torch.tensor([[0.2, 0.8, 0.0], [0.0, 0.0, 1.0]])
+    q = torch.tensor([[1.0, 0.0, 0.0]])
+    # guess 0 accepted with probability 0.2; on rejection the residual is token 1 only
+    gen = torch.Generator().manual_seed(0)
+    steps = [speculative_step(p, q, draft_tokens=torch.tensor([0]), generator=gen) for _ in range(4000)]
+    accepted = [s for s in steps if s.accepted == 1]
+    assert all(s.tokens == [0, 2] for s in accepted)
+    assert all(s.tokens == [1] for s in steps if s.accepted == 0)
+    assert abs(len(accepted) / len(steps) - 0.2) < 0.02
+    assert steps[0].ratios == pytest.approx([0.2])
+
+
+# ---- standardize ---------------------------------------------------------------------------
+def test_temperature_zero_is_one_hot_argmax_first_max():
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 0.0, 0.0, 0.0]])
+    probs = standardize(logits, SamplingParams(temperature=0.0))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+
+
+def test_temperature_scales_logits():
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+    probs = standardize(logits, SamplingParams(temperature=0.6))
+    assert torch.allclose(probs, torch.softmax(logits / 0.6, dim=-1))
+    assert torch.allclose(probs.sum(-1), torch.ones(3))
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_top_k_keeps_exactly_the_k_largest(k):
+    gen = torch.Generator().manual_seed(k)
+    logits = torch.randn(5, 12, generator=gen)
+    probs = standardize(logits, SamplingParams(temperature=1.0, top_k=k))
+    for row, lg in zip(probs, logits):
+        kept = set(torch.nonzero(row).flatten().tolist())
+        assert kept == set(torch.topk(lg, k).indices.tolist())
+        full = torch.softmax(lg, -1)
+        idx = sorted(kept)
+        assert torch.allclose(row[idx], full[idx] / full[idx].sum())
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_keeps_the_minimal_nucleus(top_p):
+    gen = torch.Generator().manual_seed(int(top_p * 1000))
+    logits = torch.randn(20, 10, generator=gen) * 2
+    probs = standardize(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    for row, lg in zip(probs, logits):
+        full = torch.softmax(lg, -1)
+        order = torch.argsort(full, descending=True)
+        cum = torch.cumsum(full[order], 0)
+        n_keep = int((cum < top_p).sum()) + 1  # the smallest prefix whose mass reaches top_p
+        nucleus = set(order[:n_keep].tolist())
+        assert set(torch.nonzero(row).flatten().tolist()) == nucleus
+        assert float(full[order[: n_keep - 1]].sum()) < top_p <= float(cum[n_keep - 1]) + 1e-6
+        idx = sorted(nucleus)
+        assert torch.allclose(row[idx], full[idx] / full[idx].sum())
+
+
+def test_top_k_then_top_p():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    probs = standardize(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.7))
+    # top-3 renormalized: 4/9, 3/9, 2/9; nucleus for 0.7: 4/9 + 3/9 = 0.78 >= 0.7
+    assert probs.tolist() == pytest.approx([4 / 7, 3 / 7, 0.0, 0.0])
+
+
+# ---- the top-p fast path against the full sort it replaced -----------------------------------
+def _full_sort_standardize(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Top-k then top-p by sorting the whole vocabulary (the implementation before the fast
+    path, kept here as the reference)."""
+    x = logits.float() / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    sorted_p = sorted_p.double()  # the fast path's prefix sums are float64 too
+    drop_sorted = torch.cumsum(sorted_p, dim=-1) - sorted_p >= params.top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return torch.softmax(x.masked_fill(drop, float("-inf")), dim=-1)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat (huge nucleus), heavy-tailed, peaked
+@pytest.mark.parametrize("params", [
+    SamplingParams(1.0, top_p=0.9), SamplingParams(0.7, top_p=0.5), SamplingParams(1.3, top_p=0.999),
+    SamplingParams(1.0, top_p=0.05), SamplingParams(1.0, top_k=50, top_p=0.9),
+    SamplingParams(0.8, top_k=2000, top_p=0.95)])
+def test_top_p_fast_path_equals_the_full_sort(scale, params):
+    """Same kept set exactly and the same probabilities, on a 49k vocabulary, for single rows
+    and for a verification batch."""
+    gen = torch.Generator().manual_seed(int(scale * 100) + params.top_k)
+    logits = torch.randn(6, 49152, generator=gen) * scale
+    fast = standardize(logits, params)
+    ref = _full_sort_standardize(logits, params)
+    assert torch.equal(fast > 0, ref > 0)
+    assert torch.allclose(fast, ref, atol=1e-7, rtol=1e-5)
+    for row in range(2):  # one row at a time, as a draft calls it
+        one = standardize(logits[row], params)
+        assert torch.equal(one > 0, ref[row] > 0)
+
+
+def test_top_p_fast_path_with_tied_probabilities():
+    """Ties at the nucleus boundary: the kept set is a most-probable prefix with the right mass,
+    whichever of the tied tokens the order put first."""
+    logits = torch.zeros(49152)
+    logits[:10] = 5.0  # ten tied leaders
+    for top_p in (0.3, 0.9):
+        probs = standardize(logits, SamplingParams(1.0, top_p=top_p))
+        full = torch.softmax(logits, -1)
+        kept = probs > 0
+        assert float(full[kept].sum()) >= top_p
+        assert float(full[kept].sum() - full[kept].min()) < top_p
+        assert float(full[kept].min()) >= float(full[~kept].max())
