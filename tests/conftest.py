@@ -22,9 +22,9 @@ _COMPOSED: dict[tuple[str, ...], ExperimentConfig] = {}
 def compose_exp(*overrides: str) -> ExperimentConfig:
     """``compose_experiment(overrides)``. Hydra takes ~0.3 s a composition and the suite asks for
     the same command lines again and again, so each is composed once per session and every
-    call gets a deep copy (a test may change its own). A command line naming a file (an
-    override of a ``*path`` key) is composed every time: validating it reads the file."""
-    if any("path=" in o for o in overrides):
+    call gets a deep copy (a test may change its own). A command line naming a DISCO classifier
+    (``lookahead.path``) is composed every time: validation reads that file (no other)."""
+    if any(o.lstrip("+~").startswith("lookahead.path=") for o in overrides):
         return compose_experiment(overrides)
     if overrides not in _COMPOSED:
         _COMPOSED[overrides] = compose_experiment(overrides)
