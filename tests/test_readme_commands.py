@@ -44,7 +44,7 @@ PREFIXES = ("python -m", ".venv/bin/python", "torchrun", "make")
 SKIPPED = {
     # the default suite itself: running it from inside the suite would recurse
     "make test": "runs this test suite (recursion)",
-    ".venv/bin/python -m pytest -q": "= make test: runs this test suite (recursion)",
+    ".venv/bin/python -m pytest -q -n 2": "= make test: runs this test suite (recursion)",
     # the whole suite with the slow tests, and the benchmarks (benchmarks/run_all.py, tens of
     # minutes, measured by their own scripts); named in the README's prose, skipped if fenced
     "make test-all": "runs this test suite and its slow tests (recursion)",
