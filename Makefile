@@ -20,8 +20,13 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m testbed $(ARGS)
 
+# The default suite on two pytest-xdist workers, one per core of the 2-core machines it is sized
+# for (tests that start processes keep to their own children and temporary directories).
+# TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) browser
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 # The report test renders a sweep report in headless Chromium (Debian's package). Installed
 # here when missing and this is a root shell with apt; otherwise that one test is skipped.

@@ -5,13 +5,14 @@ command, and that no process it started is left.
 
 How a command is shrunk lives in one table, ``SMOKE``, keyed by the command exactly as the
 README writes it (its trailing ``# comment`` removed): the overrides appended to it, what it must
-write, and whether it is ``slow`` (over ~20 s even shrunk; run with ``-m slow``). A README
-command without an entry fails ``test_readme_command`` with a line saying to add one, so a new
-or changed command cannot go untested; an entry whose command left the README fails
-``test_every_smoke_entry_is_a_readme_command``. Placeholders: ``DIR`` in ``hydra.run.dir=DIR`` /
-``hydra.sweep.dir=DIR`` is a temporary directory, ``DIR...`` of ``testbed.report`` a run
-directory written first by the shrunk default command. Every output goes to a temporary
-directory; the one command that writes into the checkout (``+calibrate``:
+write, and whether it is ``slow`` (over ~20 s even shrunk, or a path the default run takes
+elsewhere; run with ``-m slow``); a slow command marked ``precheck`` still passes the CLI's pre-run
+check in the default run. A README command without an entry fails ``test_readme_command`` with a
+line saying to add one, so a new or changed command cannot go untested; an entry whose command
+left the README fails ``test_every_smoke_entry_is_a_readme_command``. Placeholders: ``DIR`` in
+``hydra.run.dir=DIR`` / ``hydra.sweep.dir=DIR`` is a temporary directory, ``DIR...`` of
+``testbed.report`` a run directory written first by the shrunk default command. Every output
+goes to a temporary directory; the one command that writes into the checkout (``+calibrate``:
 reports/profiles/local.json) has that file restored afterwards.
 """
 
@@ -43,7 +44,7 @@ PREFIXES = ("python -m", ".venv/bin/python", "torchrun", "make")
 SKIPPED = {
     # the default suite itself: running it from inside the suite would recurse
     "make test": "runs this test suite (recursion)",
-    ".venv/bin/python -m pytest -q": "= make test: runs this test suite (recursion)",
+    ".venv/bin/python -m pytest -q -n 2": "= make test: runs this test suite (recursion)",
     # the whole suite with the slow tests, and the benchmarks (benchmarks/run_all.py, tens of
     # minutes, measured by their own scripts); named in the README's prose, skipped if fenced
     "make test-all": "runs this test suite and its slow tests (recursion)",
@@ -71,7 +72,8 @@ class Smoke:
     """``args``: appended to the command ({tmp}, {profile} substituted); ``kind``: what it must
     write — run (a run directory), real (+ telemetry), sweep (a sweep directory and its job
     runs), report, stdout, calibrate, train, eval; ``files``: more files of its output
-    directory; ``stdout``: text its output must contain; ``slow``: over ~20 s shrunk."""
+    directory; ``stdout``: text its output must contain; ``slow``: over ~20 s shrunk, or a path
+    the default run takes elsewhere; ``precheck``: (slow ones) its pre-run check runs by default."""
 
     kind: str
     args: tuple[str, ...] = ()
@@ -79,20 +81,28 @@ class Smoke:
     stdout: str = ""
     slow: bool = False
     timeout: int = 300
+    precheck: bool = False
 
 
+# The default run starts one command of each kind the README shows (a simulated run through
+# make and directly, a real run, a sweep run twice into its directory, a report, --help,
+# sim.cost.latency); the simulator's other commands are slow-marked (each 2-9 s, ~40 s together):
+# their schedules and sweeps are run by the default suite elsewhere (test_sim_determinism,
+# test_decentralized_sim, test_sim_sweeps; the joblib launcher end to end by test_worker_pool),
+# and their command lines pass the CLI's pre-run check here by default.
 SMOKE: dict[str, Smoke] = {
     "make run": Smoke("run", SIM),
-    ".venv/bin/python -m testbed": Smoke("run", SIM),
+    # the same argv as `python -m testbed` once the interpreter is this test's
+    ".venv/bin/python -m testbed": Smoke("run", SIM, slow=True, precheck=True),
     "python -m testbed": Smoke("run", SIM, files=("report.md", "report.html")),
     "python -m testbed schedule=ar": Smoke("run", SIM),
     "python -m testbed schedule.gamma=7 acceptance.alpha=0.7": Smoke("run", SIM),
-    "python -m testbed schedule=async": Smoke("run", SIM),
+    "python -m testbed schedule=async": Smoke("run", SIM, slow=True, precheck=True),
     # real runs: ~16-27 s each even shrunk (imports, weights, probe forwards, the ar baseline);
     # the plain one stays in the default suite, the others are slow
     "python -m testbed backend=real schedule=async": Smoke("real", REAL, slow=True),
     "python -m testbed schedule=decentralized hardware=a800_nodes placement.nodes=4 network=wan":
-        Smoke("run", SIM),
+        Smoke("run", SIM, slow=True, precheck=True),
     "python -m testbed backend=real": Smoke("real", REAL, files=("baseline_requests.parquet",)),
     "python -m testbed backend=real pair=smollm2_135m+ngram3 workload=mtbench sampling.temperature=1":
         Smoke("real", REAL, slow=True),
@@ -103,13 +113,15 @@ SMOKE: dict[str, Smoke] = {
     "placement.draft_gpus=2 hydra.run.dir=DIR": Smoke("real", REAL, slow=True, timeout=600),
     # not shrinkable from the command line (its grid is real.calibrate.profile.Grid): the full ~5 minutes
     "python -m testbed backend=real +calibrate": Smoke("calibrate", files=("profile.json",), slow=True, timeout=1800),
-    "python -m testbed +sweep=gamma": Smoke("sweep", ("schedule.gamma=1,4", "acceptance.alpha=0.7", *SIM)),
+    "python -m testbed +sweep=gamma": Smoke(
+        "sweep", ("schedule.gamma=1,4", "acceptance.alpha=0.7", *SIM), slow=True, precheck=True),
     "python -m testbed +sweep=gpu_split": Smoke(
-        "sweep", ("pair=llama3_70b+llama3_2_3b", "+split=t5,sync", *SIM)),
+        "sweep", ("pair=llama3_70b+llama3_2_3b", "+split=t5,sync", *SIM), slow=True, precheck=True),
     "python -m testbed +sweep=gpu_split backend=real": Smoke(
         # two splits: the report compares splits (gpu_split_validation.csv needs more than one)
         "sweep", ("+split=sync,ar", *REAL_SWEEP), files=("gpu_split_validation.csv",), slow=True, timeout=1800),
-    "python -m testbed +sweep=wan": Smoke("sweep", WAN),
+    # (the default run has this sweep, run twice into one directory, below)
+    "python -m testbed +sweep=wan": Smoke("sweep", WAN, slow=True, precheck=True),
     "python -m testbed +sweep=validate": Smoke(
         "sweep", ("hydra.sweeper.only=[base]", "pair=smollm2_135m+ngram3", "workload=humaneval",
                   "sampling.temperature=0.0", "schedule.gamma=2", *REAL_SWEEP),
@@ -121,7 +133,7 @@ SMOKE: dict[str, Smoke] = {
         files=("lookahead.csv",), slow=True, timeout=1800),
     "python -m testbed.report DIR...": Smoke("report"),
     "python -m testbed --help": Smoke("stdout", stdout="schedule.gamma"),
-    "python -m testbed +sweep=wan hydra/launcher=joblib": Smoke("sweep", WAN),
+    "python -m testbed +sweep=wan hydra/launcher=joblib": Smoke("sweep", WAN, slow=True, precheck=True),
     # run twice into the same DIR: the second run skips both finished jobs
     "python -m testbed +sweep=wan hydra.sweep.dir=DIR": Smoke("sweep", WAN, stdout="2 skipped"),
     "python -m sim.cost.latency model=llama3_70b hardware=h800x8 tp=4 tokens=8 context=512 quant=int4_awq":
@@ -288,6 +300,22 @@ def test_readme_command(cmd: str, tmp_path: Path, profile: str) -> None:
         assert _missing(tmp_path / "draft", smoke.files) == [], cmd
     elif smoke.kind == "eval":
         assert list((tmp_path / "eval").glob("*/eval.json")), cmd
+
+
+@pytest.mark.parametrize("cmd", [cmd for cmd, smoke in SMOKE.items() if smoke.precheck])
+def test_slow_simulator_command_passes_the_pre_run_check(cmd: str, tmp_path: Path) -> None:
+    """What the default run keeps of a slow-marked simulator command: its command line, with its
+    smoke overrides, passes the pre-run check its run starts with (testbed/preflight.py: every
+    key, value and preset of every job; ~1 s), so a renamed preset or setting fails by default."""
+    from testbed.app.preflight import normalize_args, preflight
+
+    assert SMOKE[cmd].slow, f"{cmd}: precheck is for slow-marked commands (the others run by default)"
+
+    # the arguments test_readme_command gives the command (its output directory under tmp_path)
+    argv = _argv(cmd, SMOKE[cmd], tmp_path / "out", {"tmp": str(tmp_path), "profile": "", "run": ""})
+    assert argv[1:3] == ["-m", "testbed"], argv
+    jobs = preflight(normalize_args(argv[3:]))
+    assert jobs >= (2 if SMOKE[cmd].kind == "sweep" else 1), cmd
 
 
 def test_the_readme_shows_commands_and_every_smoke_entry_is_one() -> None:

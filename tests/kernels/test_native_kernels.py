@@ -14,7 +14,8 @@ import kernels
 from kernels import native
 from real.model.decoder import ModelArgs, Transformer
 
-pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason="native kernels not built (no C++ compiler?)")
+pytestmark = [pytest.mark.skipif(not native.AVAILABLE, reason="native kernels not built (no C++ compiler?)"),
+              pytest.mark.torch_threads]  # torch's default threads: the kernels' multi-threaded split
 
 ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=97, max_seq_len=64)
 

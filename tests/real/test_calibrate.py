@@ -14,11 +14,18 @@ from tests.conftest import compose_exp
 pytest.importorskip("gguf")
 
 
-def test_quick_calibration_feeds_the_profile_cost_model(tmp_path: Path) -> None:
-    from real.calibrate.profile import PROFILE_THREADS, SCHEMA, Grid, calibrate
+def test_quick_calibration_feeds_the_profile_cost_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from functools import partial
+
+    from real.calibrate import tree as calibrate_tree
+    from real.calibrate.profile import PROFILE_THREADS, SCHEMA, TEMPERATURES, Grid, calibrate
     from sim.cost.profile import ProfileCost
     from sim.runtime.engine import run as sim_run
 
+    # the tree tables' own grid shrunk as Grid.quick() shrinks the others (at full size they
+    # were 60 % of this test's time; test_calibrate_tree checks what they measure)
+    for name in ("time_expansions", "time_bookkeeping", "time_ngram_expansions"):
+        monkeypatch.setattr(calibrate_tree, name, partial(getattr(calibrate_tree, name), leaves=(1, 2, 4), passes=3))
     # real.threads unset, as `backend=real +calibrate` runs: the threads the sweeps run at
     exp = compose_exp("backend=real", "pair=smollm2_135m+smollm2_exit10")
     grid = Grid.quick()
@@ -38,6 +45,8 @@ def test_quick_calibration_feeds_the_profile_cost_model(tmp_path: Path) -> None:
         node = prof["models"][name]["sampling"]
         assert set(node["seconds"]) == set(SAMPLING_MODES) and node["vocab"] == 49152
     assert "sampling" not in prof["models"]["ngram3"]  # one-hot q: nothing to standardize
+    for table in ("tree_expand", "tree_rounds"):  # the n-gram draft's tree tables, per temperature class
+        assert set(prof["models"]["ngram3"][table]) == set(TEMPERATURES)
     for row in fwd["seconds"]:  # smoothed tables never decrease in k
         assert all(b >= a > 0 for a, b in zip(row, row[1:]))
     sim = compose_exp("pair=smollm2_135m+smollm2_exit10", "hardware=local", "sim.cost_model=profile",

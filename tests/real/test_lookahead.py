@@ -228,21 +228,32 @@ def test_missing_or_mismatched_classifier_and_bad_options_fail_with_one_line(tmp
 
 
 # ----------------------------------------------------------------------- the bundled model
+def _bundled_policies() -> list:  # type: ignore[type-arg]
+    """(draft, policy) pairs. By default the bundled pair's static window (its `sync`) and the
+    shipped DISCO weights; the others are slow (~6 s a run, mostly the run's probe forwards and
+    prefill): test_real_every_policy_equals_ar_at_temperature_0 holds every policy, with a model
+    draft and the n-gram draft, to `ar` on the tiny model by default, and
+    test_sync_equals_ar_on_the_bundled_model the bundled target with the n-gram draft."""
+    default = {("smollm2_draft", "static"), ("smollm2_draft", "disco")}
+    pairs = [*(("smollm2_draft", p) for p in POLICIES), *(("ngram3", p) for p in ("confidence", "disco", "oracle"))]
+    return [pytest.param(d, p, id=f"{d}-{p}", marks=() if (d, p) in default else pytest.mark.slow)
+            for d, p in pairs]
+
+
 @pytest.mark.model
-@pytest.mark.parametrize("draft", ["smollm2_draft", "ngram3"])
-def test_every_policy_equals_ar_on_the_bundled_model(draft: str) -> None:
+@pytest.mark.parametrize(("draft", "policy"), _bundled_policies())
+def test_every_policy_equals_ar_on_the_bundled_model(draft: str, policy: str) -> None:
     """The shipped DISCO weights included (models/disco/); one HumanEval prompt per policy."""
     from real.runtime.engine import run
 
     common = ("backend=real", f"pair=smollm2_135m+{draft}", "workload.num_prompts=1",
               "workload.max_new_tokens=16", "real.progress=false", "real.ignore_eos=true", "schedule.gamma=4")
-    for policy in POLICIES if draft == "smollm2_draft" else ("confidence", "disco", "oracle"):
-        result = run(compose_exp(*common, f"lookahead={policy}"))
-        sync = [r["output_ids"] for r in result.recorder.requests]
-        assert sync == [r["output_ids"] for r in result.baseline.requests], policy
-        rounds = result.recorder.frames()[0]
-        if policy == "oracle":
-            assert (rounds.accepted == rounds.drafted).all()
+    result = run(compose_exp(*common, f"lookahead={policy}"))
+    sync = [r["output_ids"] for r in result.recorder.requests]
+    assert sync == [r["output_ids"] for r in result.baseline.requests], policy
+    rounds = result.recorder.frames()[0]
+    if policy == "oracle":
+        assert (rounds.accepted == rounds.drafted).all()
 
 
 def test_report_table1_picks_static_opt_per_backend() -> None:

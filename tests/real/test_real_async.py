@@ -397,6 +397,10 @@ def _model(seed: int) -> Transformer:
 
 # -------------------------------------------------------------------- the bundled pair
 @pytest.mark.model
+# slow: both worker processes load the bundled GGUF (~35 CPU-s); by default async is held to
+# `ar` on two processes by test_async_on_two_processes_equals_ar_at_temperature_0 (a model
+# draft) and test_async_with_the_ngram_draft_equals_ar_on_two_processes, on tiny checkpoints
+@pytest.mark.slow
 @two_cores
 def test_bundled_pair_async_equals_ar_at_temperature_0() -> None:
     from real.runtime.engine import run
@@ -410,7 +414,7 @@ def test_bundled_pair_async_equals_ar_at_temperature_0() -> None:
 
 
 @pytest.mark.model
-@pytest.mark.slow  # (the default run has the bundled pair's async, and the n-gram draft's on a tiny model)
+@pytest.mark.slow  # (the default run has async with a model draft and the n-gram draft on tiny models)
 @two_cores
 def test_bundled_target_with_the_ngram_draft_async_equals_ar_at_temperature_0() -> None:
     from real.runtime.engine import run

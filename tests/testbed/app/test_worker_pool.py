@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -144,7 +147,17 @@ def _started_by(pid: int) -> list:
     return out
 
 
-def test_a_joblib_sweep_gives_the_basic_launchers_results_and_leaves_no_process(tmp_path) -> None:
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A private temporary directory with a short path: the fork server's socket is created in
+    the TMPDIR the sweep gets, and a socket path stops at 107 bytes, which tmp_path under
+    pytest-xdist (.../popen-gw0/<test name>/...) goes past."""
+    path = Path(tempfile.mkdtemp(prefix="specbed-wp-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_joblib_sweep_gives_the_basic_launchers_results_and_leaves_no_process(tmp_path, short_tmp) -> None:
     import subprocess
     import sys
 
@@ -156,7 +169,7 @@ def test_a_joblib_sweep_gives_the_basic_launchers_results_and_leaves_no_process(
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "0"}
     tables = {}
     for launcher in ("basic", "joblib"):
-        sweep, tmp = tmp_path / launcher, tmp_path / f"tmp_{launcher}"
+        sweep, tmp = tmp_path / launcher, short_tmp / launcher
         tmp.mkdir()
         proc = subprocess.Popen([sys.executable, "-m", "testbed", *grid, f"hydra/launcher={launcher}",
                                  f"hydra.sweep.dir={sweep}"], cwd=ROOT, env={**env, "TMPDIR": str(tmp)},
