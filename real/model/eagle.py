@@ -168,8 +168,9 @@ class EagleDraft(_ForwardDraft):
     @torch.inference_mode()
     def start(self, prompt_ids: list[int]) -> None:
         # the target's prefill fed prompt[:-1]: f_0..f_{n-2}; pair 0 has no feature (slot unused)
-        self.head.body.setup_cache(self.target.max_seq) if self.head.body.max_seq != self.target.max_seq \
-            else self.head.body.truncate(0)
+        if self.head.body.max_seq != self.target.max_seq:
+            self.head.body.setup_cache(self.target.max_seq)
+        self.head.body.truncate(0)
         if len(prompt_ids) < 2:
             raise RealSetupError("an eagle draft needs prompts of at least 2 tokens (it reads the "
                                  "target's feature of the token before the last)")
