@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -38,12 +39,12 @@ RUNS = [  # most telling first: the budget skips from the end
     ("serial tree", ["schedule=sync", "schedule.tree=true", "schedule.gamma=4"]),
     ("decentralized N=2", ["schedule=decentralized", "placement.nodes=2", "placement.target_gpus=1",
                            "network=wan", "schedule.gamma=4"]),
-    ("+calibrate", []),
     ("sync g2", ["schedule=sync", "schedule.gamma=2"]),
     ("sync g8", ["schedule=sync", "schedule.gamma=8"]),
     ("lookahead heuristic", ["schedule=sync", "lookahead=heuristic", "schedule.gamma=8"]),
     ("lookahead confidence", ["schedule=sync", "lookahead=confidence", "schedule.gamma=8"]),
     ("lookahead oracle", ["schedule=sync", "lookahead=oracle", "schedule.gamma=8"]),
+    ("+calibrate", []),  # last: it takes about as long as all the runs before it
 ]
 
 # the dry run (--tiny): one of each kind, so it stays a couple of minutes on two cores
@@ -140,7 +141,7 @@ class Check:
                     "equal_ar": outs == self.ar_outputs if self.ar_outputs is not None else None,
                     "telemetry": (run_dir / "telemetry.parquet").is_file(),
                     "gpu_telemetry": _has_gpu_columns(run_dir / "telemetry.parquet"),
-                    "run_dir": str(run_dir)}
+                    "run_dir": str(run_dir), **_round_times(run_dir)}
             row |= self.predict(label, overrides, run_dir, summary)
         except Exception as e:  # noqa: BLE001 - reported, the next run goes on
             row["error"] = f"{type(e).__name__}: {e}"[-700:]
@@ -150,12 +151,13 @@ class Check:
 
     def predict(self, label: str, overrides: list[str], run_dir: Path, measured: dict) -> dict:
         """The simulator's prediction of this run from its own trace (acceptance=trace)."""
-        if label == "ar" or self.left_s() < 20 or (self.args.tiny and label != TINY_RUNS[0]):
+        if label.startswith("ar") or self.left_s() < 20 or (self.args.tiny and label != TINY_RUNS[0]):
             return {}
         out = {}
         models = [o for o in self.base_pair if o.startswith("pair.")]
         common = ["backend=sim", f"hardware={self.preset}", "acceptance=trace",
-                  f"acceptance.trace_path={run_dir}", *models, *overrides,
+                  f"acceptance.trace_path={run_dir}", *models,
+                  *(o for o in overrides if not o.startswith("real.")),
                   *(o for o in self.base_workload if not o.startswith("real."))]
         if "placement.nodes=2" not in overrides:
             common += ["placement.target_gpus=1", "placement.draft_gpus=1"]
@@ -203,19 +205,20 @@ class Check:
                 if a.tiny and label not in TINY_RUNS:
                     continue
                 if label == "+calibrate":
-                    self.step("calibrate", self.calibrate, base)
-                elif label.startswith("decentralized"):
+                    continue  # after the device tests: the longest step, the first the budget drops
+                if label.startswith("decentralized"):
                     base_dec = [o for o in base if not o.startswith("placement.draft_gpus")]
                     self.real_run(label, overrides, base_dec, est * 1.5)
                 else:
                     self.real_run(label, overrides, base, est)
+            if not a.tiny:
+                self.step("device tests", self.device_tests)
+                self.step("calibrate", self.calibrate, base)
             if self.profile:  # the sync runs predicted again, now from the measured tables
                 for row in self.runs:
                     if row["run"].startswith("sync") and "error" not in row and self.left_s() > 30:
                         overrides = dict(RUNS)[row["run"]]
                         row |= self.predict(row["run"], overrides, Path(row["run_dir"]), row)
-        if not a.tiny:
-            self.step("device tests", self.device_tests)
         return self.summary(info, peaks, forwards)
 
     def device_tests(self) -> None:
@@ -245,7 +248,7 @@ class Check:
         return rows
 
     def calibrate(self, base: list[str]) -> None:
-        if self.left_s() < (30 if self.args.tiny else 90):
+        if self.left_s() < (30 if self.args.tiny else 160):  # ~150 s for the 1 B pair on an H200
             self.skipped.append(f"+calibrate: {self.left_s():.0f} s of the budget left")
             return
         run_dir = self.work / "runs" / "calibrate"
@@ -253,6 +256,8 @@ class Check:
         self.cli([*base, "schedule=sync", "+calibrate=true", f"sim.profile_path={profile}"], run_dir,
                  timeout_s=min(max(60.0, self.left_s() - 10), 150.0), summary=False)
         self.profile = str(profile) if profile.is_file() else ""
+        if self.profile:  # beside the summary: the tables the profile predictions used
+            shutil.copyfile(profile, self.out / "gpu_check_profile.json")
 
     def summary(self, info: dict, peaks: dict, forwards: list[dict]) -> dict:
         return {"machine": info, "peaks": peaks, "device_tests": getattr(self, "device_tests_result", None), "hardware_preset": self.preset, "tiny": self.args.tiny,
@@ -260,6 +265,24 @@ class Check:
                 "all_equal_ar": all(r.get("equal_ar") for r in self.runs if r["run"] != "ar")
                 and bool(self.runs) and all("error" not in r for r in self.runs),
                 "elapsed_s": round(time.monotonic() - self.started, 1)}
+
+
+def _round_times(run_dir: Path) -> dict:
+    """Mean milliseconds per round: drafting, the target's forward, and the whole round (the
+    rest is the host's work between forwards)."""
+    try:
+        import pandas as pd
+
+        r = pd.read_parquet(run_dir / "rounds.parquet")
+        return {"round_ms": round(1e3 * float((r.end_s - r.start_s).mean()), 3),
+                "draft_ms": round(1e3 * float(r.draft_s.mean()), 3),
+                "target_ms": round(1e3 * float(r.target_s.mean()), 3)}
+    except Exception:  # noqa: BLE001 - a schedule without per-round times
+        return {}
+
+
+def _round_cell(r: dict) -> str:
+    return "-" if "round_ms" not in r else f"{r['round_ms']} ({r['draft_ms']} / {r['target_ms']})"
 
 
 def _has_gpu_columns(path: Path) -> bool:
@@ -284,8 +307,9 @@ def markdown(s: dict) -> str:
         lines.append(f"| {r['k']} | {r['eager_ms']} | {r.get('graph_ms', '-')} | {r['roofline_ms']} | "
                      f"{r['eager_share']} | {r.get('graph_share', '-')} |")
     lines += ["", "## Runs (temperature 0)", "",
-              "| run | tokens/s | speedup | α | = ar | GPU telemetry | sim roofline tok/s (err %) | sim profile tok/s (err %) | error |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| run | tokens/s | speedup | α | = ar | GPU telemetry | round ms (draft / target) "
+              "| sim roofline tok/s (err %) | sim profile tok/s (err %) | error |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["runs"]:
         def pred(kind: str, r: dict = r) -> str:
             v = r.get(f"sim_{kind}_tokens_per_s")
@@ -294,7 +318,7 @@ def markdown(s: dict) -> str:
         tps = r.get("tokens_per_s")
         lines.append(f"| {r['run']} | {'-' if tps is None else f'{tps:.1f}'} | {r.get('speedup') or '-'} | "
                      f"{r.get('alpha') if r.get('alpha') is not None else '-'} | {r.get('equal_ar', '-')} | "
-                     f"{r.get('gpu_telemetry', '-')} | {pred('roofline')} | {pred('profile')} | {err[:160]} |")
+                     f"{r.get('gpu_telemetry', '-')} | {_round_cell(r)} | {pred('roofline')} | {pred('profile')} | {err[:160]} |")
     lines += ["", "## Steps", ""] + [f"- {x['step']}: {'ok' if x['ok'] else 'FAILED ' + x.get('error', '')} ({x['s']} s)"
                                      for x in s["steps"]]
     if s["skipped"]:
@@ -313,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "reports/gpu_check")
     p.add_argument("--work", default=None, help="checkpoints and run directories (default: OUT/../work)")
     args = p.parse_args(argv)
-    args.prompts = args.prompts or 2
-    args.tokens = args.tokens or (12 if args.tiny else 32)
+    args.prompts = args.prompts or (2 if args.tiny else 4)
+    args.tokens = args.tokens or (12 if args.tiny else 64)
     args.context = args.context or (32 if args.tiny else 512)
     args.work = args.work or ("/tmp/specbed-gpu-check" if os.environ.get("OUT") else str(Path(args.out) / "work"))
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -58,6 +58,11 @@ class LocalModel:
     @torch.inference_mode()
     def logits(self, tokens: Sequence[int], *, input_pos: torch.Tensor, mask: torch.Tensor,
                position_ids: torch.Tensor) -> torch.Tensor:
+        graphs = None if self.model.keep_hidden else self.model.graph_forwards
+        if graphs is not None:  # replayed from a CUDA graph (real.model.cuda_graphs) where one applies
+            logits = graphs.tree_logits(tokens, input_pos=input_pos, mask=mask, position_ids=position_ids)
+            if logits is not None:
+                return logits
         x = torch.tensor([list(tokens)], device=self.model.device)
         return self.model(x, input_pos=input_pos, mask=mask, position_ids=position_ids)[0]
 

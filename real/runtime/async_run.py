@@ -69,7 +69,7 @@ def _load(exp: ExperimentConfig, role: str, params: SamplingParams):  # type: ig
     size): both groups tokenize the prompts alike."""
     from real.model.drafts import ModelDraft
     from real.runtime.engine import cache_slots
-    from real.runtime.loading import build_requests, load, make_draft, model_device
+    from real.runtime.loading import build_requests, load, make_draft, model_device, prepare_graphs
 
     t = exp.pair.target
     target, tokenizer = load(t.path, "pair.target", model_name=t.name, dtype=real_dtype(exp), device=model_device(exp),
@@ -87,6 +87,7 @@ def _load(exp: ExperimentConfig, role: str, params: SamplingParams):  # type: ig
         model, slots = draft.model, draft_slots
     if model.max_seq < slots:
         model.setup_cache(slots)
+    prepare_graphs(exp, model)
     return model, requests, eos, target.args.vocab_size
 
 

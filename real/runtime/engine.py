@@ -29,7 +29,7 @@ from real.model.runners import TargetRunner
 from real.model.tree_tokens import tree_cache_slots
 from real.runtime.context import RealContext, RealRequest
 from real.runtime.layouts import RUNNERS, Runner
-from real.runtime.loading import build_requests, load, make_draft, model_device
+from real.runtime.loading import build_requests, load, make_draft, model_device, prepare_graphs
 from real.runtime.telemetry import Telemetry, run_files
 from real.schedules import get_schedule
 from testbed.config import ExperimentConfig, as_dict, real_dtype
@@ -161,6 +161,7 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
         target.setup_cache(target_slots)
     if isinstance(draft, ModelDraft) and draft.model.max_seq < draft_slots:
         draft.model.setup_cache(draft_slots)
+    prepare_graphs(exp, target, draft.model if isinstance(draft, ModelDraft) else None)
     eos = frozenset() if exp.real.ignore_eos else frozenset(tokenizer.eos_token_ids)
     progress = exp.real.progress and leader
     telemetry = Telemetry(exp.real.device)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from real.errors import RealSetupError, WeightsNotFound
-from real.model.cuda_graphs import GraphedForwards
+from real.model.cuda_graphs import MAX_TOKENS, GraphedForwards
 from real.model.decoder import Transformer
 from real.model.drafts import Draft, EarlyExitDraft, ModelDraft, NgramDraft
 from real.model.eagle import EagleDraft, load_head
@@ -54,6 +54,19 @@ def load(path: str | None, what: str, *, model_name: str, dtype: str,
     # chain forwards replayed from CUDA graphs (real.model.cuda_graphs): set per run, the model is shared
     model.graph_forwards = GraphedForwards(model) if cuda_graphs and torch.device(device).type == "cuda" else None
     return _MODELS[key]
+
+
+def prepare_graphs(exp: ExperimentConfig, *models: Transformer | None) -> None:
+    """Capture the CUDA graphs a run's forwards will replay before its timed requests: chain
+    windows of 1..γ+1 tokens (a verification, a draft catching up), and tree-masked forwards of
+    up to 16 nodes for token trees. Nothing where graphs are off (CPU, stages, TP ranks)."""
+    tree = bool(exp.schedule.tree or spec_of(exp).tree)
+    counts = range(1, min(MAX_TOKENS, max(1, exp.schedule.gamma) + 1) + 1)
+    for model in models:
+        if model is not None and model.graph_forwards is not None:
+            model.graph_forwards.prepare(counts, tree=False)
+            if tree:
+                model.graph_forwards.prepare(range(1, MAX_TOKENS + 1), tree=True)
 
 
 def load_tokenizer(path: str | None) -> Tokenizer:

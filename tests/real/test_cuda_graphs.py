@@ -67,3 +67,62 @@ def test_replayed_graph_equals_eager_on_cuda() -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert graphed.kv_len == eager.kv_len == start + len(window)
     assert graphed.graph_forwards.replays == 4
+
+
+def _tree_inputs(start: int, k: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random tree of k nodes after a prefix of ``start`` slots: each node sees the prefix,
+    its ancestors and itself; its RoPE position is the prefix length plus its depth."""
+    gen = torch.Generator().manual_seed(seed)
+    parent = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) if i else -1 for i in range(1, k)]
+    depth = [0] * k
+    mask = torch.zeros(k, width, dtype=torch.bool)
+    mask[:, :start] = True
+    for i in range(k):
+        j = i
+        while j >= 0:
+            mask[i, start + j] = True
+            j = parent[j]
+        depth[i] = 0 if parent[i] < 0 else depth[parent[i]] + 1
+    return torch.arange(start, start + k), mask, torch.tensor([start + d for d in depth])
+
+
+@pytest.mark.parametrize(("start", "k"), [(6, 4), (20, 16)])
+@torch.inference_mode()
+def test_static_body_equals_the_tree_masked_forward(start: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    prefix = torch.randint(0, TINY.vocab_size, (1, start), generator=gen)
+    nodes = torch.randint(0, TINY.vocab_size, (1, k), generator=gen)
+    slots, mask, positions = _tree_inputs(start, k, start + k, seed=start)
+    eager, static = _model(), _model()
+    for m in (eager, static):
+        m(prefix, input_pos=0)
+    want = eager(nodes, input_pos=slots, mask=mask, position_ids=positions)[0]
+    full = torch.zeros(k, static.max_seq, dtype=torch.bool)
+    full[:, : start + k] = mask
+    got = GraphedForwards(static).static_logits(nodes, slots, positions, full)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(_caches(static), _caches(eager)):
+        torch.testing.assert_close(a[:, :, : start + k], b[:, :, : start + k], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@torch.inference_mode()
+def test_replayed_tree_graph_equals_eager_on_cuda() -> None:
+    from real.model.tree_tokens import LocalModel
+
+    eager, graphed = _model("cuda"), _model("cuda")
+    graphed.graph_forwards = GraphedForwards(graphed)
+    graphed.graph_forwards.prepare(range(1, 17), tree=True)
+    captured = graphed.graph_forwards.captures
+    assert captured == 32
+    ids = list(range(1, 12))
+    for m in (eager, graphed):
+        m(torch.tensor([ids]), input_pos=0)
+    for k, seed in ((3, 1), (8, 2), (16, 3)):
+        slots, mask, positions = _tree_inputs(11, k, 11 + k, seed)
+        tokens = [(7 * i + seed) % TINY.vocab_size for i in range(k)]
+        want = eager(torch.tensor([tokens], device="cuda"), input_pos=slots, mask=mask,
+                     position_ids=positions)[0].cpu()
+        got = LocalModel(graphed).logits(tokens, input_pos=slots, mask=mask, position_ids=positions)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert graphed.graph_forwards.replays == 3 and graphed.graph_forwards.captures == captured
