@@ -194,15 +194,16 @@ def data_jobs(cfg: DictConfig, tok) -> list[tuple[str, str, object]]:
     return jobs
 
 
-def build_teacher_data(cfg: DictConfig, data_dir: Path) -> list[Path]:
-    """Run every teacher batch whose shard is not on disk yet; return all shard paths."""
+def build_teacher_data(cfg: DictConfig, data_dir: Path, *, limit: int | None = None) -> list[Path]:
+    """Run every teacher batch whose shard is not on disk yet; return all shard paths (the
+    first ``limit`` batches only, when given)."""
     from tqdm import tqdm
 
     from real.model.tokenizer import load_bundled_tokenizer
     from real.model.weights import load_model
 
     tok = load_bundled_tokenizer()
-    jobs = data_jobs(cfg, tok)
+    jobs = data_jobs(cfg, tok)[:limit]
     paths = [data_dir / shard_name(name, kind, payload, cfg) for name, kind, payload in jobs]
     todo = [(n, kind, pl, p) for (n, kind, pl), p in zip(jobs, paths) if not p.is_file()]
     if not todo:
