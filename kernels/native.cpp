@@ -477,9 +477,11 @@ void gemm(const A* x, long xs, long T, const W* wpk, long N, long K, Epilogue ep
 // real/model/decoder.py's TransformerBlock (RMSNorm, fused QKV, RoPE, KV-cache write, grouped-query
 // attention over cache slots [0, S), output projection + residual, RMSNorm, SwiGLU, down
 // projection + residual) without the ~20 PyTorch dispatches per layer that otherwise cost more
-// than the weight streaming of a 135M model. The residual stream stays fp32 across the layers of
-// one call; GEMM inputs and the QKV projection are rounded to the weights' dtype (as the op-by-op
-// path does); K/V are stored in the cache's dtype and read back from it.
+// than the weight streaming of a 135M model. The residual stream is fp32 inside a layer and
+// rounded to the activations' dtype between layers, as the op-by-op path keeps it, so a run of
+// layers gives the same result however it is split into calls (the stages of a pipeline); GEMM
+// inputs and the QKV projection are rounded to the weights' dtype (as the op-by-op path does);
+// K/V are stored in the cache's dtype and read back from it.
 
 struct LayerPtrs {  // kernels/native.py: _LayerPtrs (weights packed by sb_pack; w13 paired)
     const void* attn_norm;
@@ -736,9 +738,12 @@ int layers_any(const LayerDims& dm, const LayerPtrs* layers, const AllReduce& ar
     load_any(dm.dtype, hio, T * dim, h.data());
     load_any(dm.dtype, cos_in, T * d, cos.data());
     load_any(dm.dtype, sin_in, T * d, sin.data());
-    for (int l = 0; l < n; ++l)
+    for (int l = 0; l < n; ++l) {
         if (const int rc = layer<W>(dm, layers[l], ar, h.data(), slots, cos.data(), sin.data(), mask, S, T, threads))
             return rc;  // hio untouched: the caller raises (the ranks are out of step now)
+        if (dm.dtype != 0 && l + 1 < n)  // the residual in the activations' type between layers
+            for (long i = 0; i < T * dim; ++i) h[i] = bf16_to_f32(f32_to_bf16(h[i]));
+    }
     store_any(dm.dtype, hio, 0, T * dim, h.data());
     return 0;
 }

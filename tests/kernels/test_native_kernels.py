@@ -160,6 +160,26 @@ def test_fused_path_is_taken_and_leaves_input_alone() -> None:
     assert kernels.decode_layers is native.decode_layers
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 5, 16])
+def test_layer_runs_split_into_calls_give_the_same_bits(dtype: torch.dtype, t: int) -> None:
+    # a pipeline's stages run layers [0, 1), [1, 2), [2, 3) in calls of their own: the result
+    # must be the single call's, bit for bit, or a decentralized run parts from `ar` at a near-tie
+    model = Transformer(ARGS, dtype=dtype).init_random(2, std=0.1).eval()
+    model.setup_cache(32)
+    h = torch.randn(1, t, ARGS.dim, generator=gen(9)).to(dtype)
+    pos = torch.arange(4, 4 + t)
+    cos, sin = model.rope_cos[pos], model.rope_sin_signed[pos]
+    mask = torch.arange(4 + t)[None, :] <= pos[:, None]
+    with torch.inference_mode():
+        whole = native.decode_layers(model, 0, ARGS.n_layers, h, cos, sin, pos, mask, 4 + t)
+        parts = h
+        for lo in range(ARGS.n_layers):
+            parts = native.decode_layers(model, lo, lo + 1, parts, cos, sin, pos, mask, 4 + t)
+    assert whole is not None and parts is not None
+    assert torch.equal(whole, parts)
+
+
 def test_scratch_buffers_reused_across_models_and_token_counts() -> None:
     # the layer kernels keep their (cache-line aligned) scratch buffers across calls: a call
     # after one with more tokens, or with a model of other sizes, must read none of the leftovers
