@@ -142,12 +142,13 @@ def test_a_hanging_worker_trips_the_receive_timeout() -> None:
 @pytest.mark.slow
 def test_torchrun_uses_its_ranks_and_gathers_on_rank_0(tmp_path: Path) -> None:
     script = tmp_path / "under_torchrun.py"
-    script.write_text(TORCHRUN)
+    script.write_text(TORCHRUN.replace("OUT_DIR", str(tmp_path)))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "2", str(script)], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert r.returncode == 0, r.stderr
-    lines = sorted(ln for ln in r.stdout.splitlines() if ln.startswith("rank "))
+    # a file per rank: the two processes' stdout interleave, lines included
+    lines = sorted(p.read_text() for p in tmp_path.glob("rank*.txt"))
     assert lines == ["rank 0 writer=True results=[0, 1] got=[[0, 10], [10, 20], [20, 30]]",
                      "rank 1 writer=False results=[] got=None"]
 
@@ -160,8 +161,9 @@ from tests.helpers.runtime_workers import ping_pong
 exp = compose_exp("schedule=async", "hardware=local", "placement.target_gpus=1", "placement.draft_gpus=1")
 exp.backend = "real"
 res = launch(exp, ping_pong, args=(3,))
-print(f"rank {os.environ['RANK']} writer={is_writer()} results={[r.rank for r in res]} "
-      f"got={res[1].value['got'] if res else None}")
+with open(os.path.join("OUT_DIR", f"rank{os.environ['RANK']}.txt"), "w") as f:
+    f.write(f"rank {os.environ['RANK']} writer={is_writer()} results={[r.rank for r in res]} "
+            f"got={res[1].value['got'] if res else None}")
 """
 
 
