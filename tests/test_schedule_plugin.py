@@ -105,3 +105,28 @@ def test_an_unknown_plugin_schedule_or_package_is_one_line(tmp_path) -> None:  #
     assert done.stderr.strip().splitlines() == [
         "error: SPECBED_PLUGINS='toy_schedul' is not allowed: an importable schedule plug-in package "
         "(No module named 'toy_schedul'); put its directory on PYTHONPATH or remove it from SPECBED_PLUGINS"]
+
+
+LOADED_IN_CODE = '''
+import os, subprocess, sys
+from testbed.schedules import load_plugin
+assert "SPECBED_PLUGINS" not in os.environ
+load_plugin("toy_schedule")
+print(os.environ["SPECBED_PLUGINS"])
+child = "from testbed.schedules import specs; print(','.join(s.name for s in specs()))"
+print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout.strip())
+'''
+
+
+def test_a_plugin_loaded_in_code_reaches_the_processes_it_starts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``load_plugin`` (from code, not the environment) names the plug-in in SPECBED_PLUGINS, so
+    the workers and ranks a run spawns register its schedule too."""
+    write_plugin(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "SPECBED_PLUGINS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", LOADED_IN_CODE], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    named, child_schedules = p.stdout.split()
+    assert named == "toy_schedule"
+    assert "toy" in child_schedules.split(",") and "sync" in child_schedules.split(",")
