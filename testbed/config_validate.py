@@ -65,10 +65,10 @@ def _validate_eagle(exp: ExperimentConfig) -> None:
             raise ConfigError(f"pair.draft.{k}", v, f"the target's {k}={shape(t)[k]} (an eagle head is one "
                               "layer of its target's width; choose the head trained for this target)")
     _int_range("pair.draft.layers", d.layers, 1, 1)
-    if exp.backend == "real" and not spec.chain:
-        raise ConfigError("pair.draft.kind", d.kind, f"a model draft with schedule={exp.schedule.name}"
-                          + (" (tree)" if exp.schedule.tree else "") + " on backend=real: the eagle head "
-                          "drafts chains there (schedule=sync and its lookahead policies)")
+    if exp.backend == "real" and not (spec.chain or spec.name == "sync_tree"):
+        raise ConfigError("pair.draft.kind", d.kind, f"a model draft with schedule={exp.schedule.name} "
+                          "on backend=real: the eagle head drafts in this process, beside the target "
+                          "whose features it reads (schedule=sync, its trees and lookahead policies)")
 
 
 def _validate_lookahead(exp: ExperimentConfig) -> None:

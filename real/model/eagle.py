@@ -84,8 +84,14 @@ class EagleHead(nn.Module):
 
     def forward(self, target: Transformer, tokens: Tensor, features: Tensor,
                 input_pos: Tensor | int | None = None, *, cache: bool = True) -> Tensor:
-        """The predicted features ``[B, T, dim]`` (pre-norm, like the target's)."""
-        return self.body.forward_layers(self.inputs(target, tokens, features), input_pos, cache=cache)
+        """The predicted features ``[B, T, dim]`` (pre-norm, like the target's). With the cache,
+        slot 0 is never attended: pairs start at slot 1 (no feature precedes the first token),
+        as training's rows start with their first pair."""
+        mask = None
+        if cache and isinstance(input_pos, int) and input_pos >= 1:
+            cols, rows = torch.arange(input_pos + tokens.shape[1]), torch.arange(input_pos, input_pos + tokens.shape[1])
+            mask = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= 1)
+        return self.body.forward_layers(self.inputs(target, tokens, features), input_pos, mask, cache=cache)
 
 
 def save_head(head: EagleHead, out: Path, *, target_name: str, extra: dict | None = None) -> None:

@@ -27,7 +27,7 @@ standardized q, verified by the lossless multi-candidate rule.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -77,6 +77,7 @@ class TreeOutcome:
     tokens: list[int]  # accepted tokens, then the target's own token (the bonus)
     accepted: int
     checked: int  # accepted + 1 when the stop node had candidates that were all rejected
+    features: torch.Tensor | None = None  # the target's of the root and the accepted (features_of)
 
 
 def checked_count(batch: TreeBatch, accepted_nodes: list[int]) -> int:
@@ -140,6 +141,8 @@ class TargetTreeTokens:
     params: SamplingParams
     generator: torch.Generator | None = None
     forwards: int = 0
+    # the target's hidden states of batch rows (a feature-level draft reads them), or None
+    features_of: Callable[[list[int]], torch.Tensor] | None = None
 
     def verify(self, batch: TreeBatch) -> TreeOutcome:
         prefix, n = batch.prefix_len, len(batch)
@@ -154,9 +157,12 @@ class TargetTreeTokens:
         src = [prefix + index[node] for node in res.accepted_nodes]
         dst = [prefix + 1 + d for d in range(len(src))]  # depth d+1 sits at prefix + d + 1
         moves = [(s, t) for s, t in zip(src, dst) if s != t]
+        features = None
+        if self.features_of is not None:  # read before the moves: rows in batch order
+            features = self.features_of([0, *(index[node] for node in res.accepted_nodes)]).clone()
         if moves:
             self.model.move_kv([s for s, _ in moves], [t for _, t in moves])
-        return TreeOutcome(res.tokens, res.accepted, checked_count(batch, res.accepted_nodes))
+        return TreeOutcome(res.tokens, res.accepted, checked_count(batch, res.accepted_nodes), features)
 
 
 TREE_SLOTS = 2048  # draft KV slots reserved for the tree beyond the sequence (~5 KB each, trained draft)
@@ -175,7 +181,10 @@ def tree_models(ctx) -> tuple[ForwardModel, ForwardModel]:  # type: ignore[no-un
     or the leaders' handles of tensor-parallel groups."""
     from real.errors import RealSetupError
     from real.model.drafts import ModelDraft
+    from real.model.eagle import EagleDraft
 
+    if isinstance(ctx.draft, EagleDraft):  # its source is real.model.eagle_tree's: no draft model here
+        return None, LocalModel(ctx.target.model)  # type: ignore[return-value]
     if not isinstance(ctx.draft, ModelDraft):
         name = getattr(ctx.draft, "name", type(ctx.draft).__name__)
         raise RealSetupError(f"pair.draft={name!r} cannot grow a token tree (schedule.tree=true "

@@ -12,11 +12,13 @@ from real.model.tree_tokens. The simulated twin: sim/schedules/sync_tree.py.
 
 from __future__ import annotations
 
-from real.model.tree_tokens import DraftTreeTokens, TargetTreeTokens, tree_models
+from real.model.eagle import EagleDraft
+from real.model.eagle_tree import EagleTreeTokens
+from real.model.tree_tokens import DraftTreeTokens, TargetTreeTokens, tree_cache_slots, tree_models
 from real.runtime.context import RealContext, RealRequest, finish
 from real.schedules import register
 from testbed.recorder import RequestRecord
-from testbed.spec.tree_drafter import DraftRowSample, TreeDrafter, TreeKvStats
+from testbed.spec.tree_drafter import DraftRowSample, DraftSource, TreeDrafter, TreeKvStats
 
 
 @register("sync_tree")
@@ -36,9 +38,16 @@ def serve_sync_tree(ctx: RealContext, req: RealRequest) -> None:
     rec.span("draft", "prefill", m, t + prefill_s, rid)
     kv = ctx.state.setdefault("tree_kv", TreeKvStats())
     rows = ctx.state.setdefault("tree_rows", DraftRowSample())
-    drafter = TreeDrafter(DraftTreeTokens(draft_model, ctx.params, list(ids), gen),
-                          width=s.tree_width, budget=s.tree_budget, kv=kv, rows=rows)
-    target = TargetTreeTokens(target_model, ctx.params, gen)
+    if isinstance(ctx.draft, EagleDraft):  # the head reads the target's features
+        slots = tree_cache_slots(len(ids) + req.max_new_tokens + s.tree_budget + 2)
+        source: DraftSource = EagleTreeTokens(ctx.draft, ctx.params, list(ids), cache_slots=slots, generator=gen)
+        hidden = ctx.target.model
+        target = TargetTreeTokens(target_model, ctx.params, gen,
+                                  features_of=lambda rows: hidden.last_hidden[0, rows])
+    else:
+        source = DraftTreeTokens(draft_model, ctx.params, list(ids), gen)
+        target = TargetTreeTokens(target_model, ctx.params, gen)
+    drafter = TreeDrafter(source, width=s.tree_width, budget=s.tree_budget, kv=kv, rows=rows)
     start = ctx.now()
     out: list[int] = []
     done, r = False, 0
@@ -54,7 +63,7 @@ def serve_sync_tree(ctx: RealContext, req: RealRequest) -> None:
         e = ctx.now()
         before = len(out)
         out, done = finish(out, res.tokens, req.max_new_tokens, ctx.eos)
-        drafter.advance(res.tokens)
+        drafter.advance(res.tokens, features=res.features)
         rec.span("draft", "reroot", e, ctx.now(), rid, r)
         rec.round(request_id=rid, round_idx=r, start_s=t, end_s=e, drafted=len(batch) - 1,
                   checked=res.checked, accepted=res.accepted, emitted=len(out) - before,

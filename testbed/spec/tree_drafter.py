@@ -93,6 +93,13 @@ class DraftSource(ABC):
         """The tree re-rooted: rearrange the draft KV cache by ``plan`` (oracles have none)."""
         del plan  # an oracle keeps no KV cache
 
+    # a feature-level draft (EAGLE) reads the target's hidden states of the verified tokens
+    reads_features: bool = False
+
+    def verified_features(self, features: torch.Tensor | None) -> None:  # noqa: B027 - optional hook
+        """The target's features of the old root and the accepted tokens ``[1 + accepted, dim]``,
+        before ``commit`` (only where ``reads_features``)."""
+
     def new_tree(self) -> DraftTree:
         h = self.history()
         return DraftTree(root_token=h[-1], prefix_len=len(h) - 1, mode=self.mode)
@@ -277,8 +284,12 @@ class TreeDrafter:
         """The most probable subtree of `budget` nodes (closed under parent), for the target."""
         return self.tree.select_subtree(self.budget)
 
-    def advance(self, tokens: list[int]) -> KVCompactionPlan:
-        """Commit the verified tokens and re-root (KV compaction plan from DraftTree)."""
+    def advance(self, tokens: list[int], *, features: torch.Tensor | None = None) -> KVCompactionPlan:
+        """Commit the verified tokens and re-root (KV compaction plan from DraftTree);
+        ``features``: the target's of the old root and the accepted tokens, for a source that
+        reads them."""
+        if self.source.reads_features:
+            self.source.verified_features(features)
         self.source.commit(tokens)
         plan = self.tree.reroot(tokens)
         self.source.compact(plan)

@@ -80,6 +80,91 @@ def test_sync_with_an_eagle_head_equals_ar_at_temperature_0(overrides) -> None: 
     assert (rounds.accepted <= rounds.drafted).all() and (rounds.drafted >= 1).all()
 
 
+@pytest.mark.parametrize("overrides", [("schedule.tree_width=2", "schedule.tree_budget=4", "schedule.tree_depth=3"),
+                                       ("schedule.tree_width=4", "schedule.tree_budget=12", "schedule.tree_depth=4")])
+def test_the_serial_tree_with_an_eagle_head_equals_ar_at_temperature_0(overrides) -> None:  # type: ignore[no-untyped-def]
+    from real.schedules.sync_tree import serve_sync_tree
+
+    exp = compose_exp("backend=real", "schedule.tree=true", *overrides)
+    params = SamplingParams()
+    target = tiny(0)
+    reqs = _requests()
+    ar = _serve(_ctx(exp, target, None, params), serve_ar, reqs)
+    target.setup_cache(64)
+    draft = EagleDraft(EagleHead(target.args).init_random(2), target, params, "eagle")
+    ctx = _ctx(exp, target, draft, params)
+    try:
+        out = _serve(ctx, serve_sync_tree, reqs)
+    finally:
+        target.keep_hidden = False
+    assert out == ar and all(len(o) == 20 for o in out)
+    rounds = ctx.rec.frames()[0]
+    assert (rounds.accepted <= rounds.drafted).all() and (rounds.verified_tokens > 1).all()
+
+
+def _forced_path(batch, p, greedy, generator=None):  # type: ignore[no-untyped-def]
+    """A verification that accepts the first-drawn child twice (a random head's guesses would
+    all be rejected), then the target's own token: re-roots that move drafted pairs into the prefix."""
+    from testbed.spec.tree_verify import TreeVerifyResult
+
+    path, row = [], 0
+    while len(path) < 2 and batch.children[row]:
+        row = batch.children[row][0]
+        path.append(row)
+    return TreeVerifyResult([batch.node_ids[r] for r in path], [batch.tokens[r] for r in path]
+                            + [int(p[row].argmax())], len(path))
+
+
+def test_the_tree_s_prefix_after_reroots_equals_a_recomputation_from_scratch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """After tree rounds (expand, verify, re-root) that accept drafted tokens, the head's KV of
+    the committed pairs equals a fresh head's fed the whole sequence with the target's own
+    (causal) features: the pairs drafted on the head's features were fed again."""
+    from real.model import tree_tokens
+    from real.model.eagle_tree import EagleTreeTokens
+    from real.model.tree_tokens import LocalModel, TargetTreeTokens
+    from testbed.spec.tree_drafter import TreeDrafter
+
+    monkeypatch.setattr(tree_tokens, "verify_tree", _forced_path)
+
+    params = SamplingParams()
+    target = tiny(0)
+    target.setup_cache(64)
+    head = EagleHead(target.args).init_random(4)
+    runner = TargetRunner(target, params)
+    draft = EagleDraft(head, target, params, "eagle")
+    ids = _requests(1)[0].prompt_ids
+    try:
+        runner.prefill(ids)
+        draft.start(ids)
+        source = EagleTreeTokens(draft, params, list(ids), cache_slots=128)
+        drafter = TreeDrafter(source, width=3, budget=6)
+        verifier = TargetTreeTokens(LocalModel(target), params,
+                                    features_of=lambda rows: target.last_hidden[0, rows])
+        for _ in range(4):
+            for _ in range(2):
+                drafter.expand()
+            drafter.fill()
+            res = verifier.verify(drafter.select())
+            assert res.accepted == 2
+            drafter.advance(res.tokens, features=res.features)
+            ids = ids + res.tokens
+        drafter.expand()  # feeds the pending prefix pairs with the target's features
+        n = len(ids) - 1  # the prefix: pairs 1 .. n-1 (the root, ids[n], is not a pair yet)
+        got = [c[:, :, 1:n].clone() for c in (head.body.layers[0].attention.kv_cache.k_cache,
+                                                head.body.layers[0].attention.kv_cache.v_cache)]
+        fresh_target, fresh_head = copy.deepcopy(tiny(0)), copy.deepcopy(head)
+        fresh_target.setup_cache(64)
+        feats = fresh_target.forward_layers(fresh_target.embed(torch.tensor([ids[:n]])), 0)
+        fresh_head.body.setup_cache(64)
+        fresh_head(fresh_target, torch.tensor([ids[1:n]]), feats[:, : n - 1], 1)
+        want = [c[:, :, 1:n] for c in (fresh_head.body.layers[0].attention.kv_cache.k_cache,
+                                       fresh_head.body.layers[0].attention.kv_cache.v_cache)]
+    finally:
+        target.keep_hidden = False
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_the_features_after_a_reroot_equal_a_recomputation_from_scratch() -> None:
     """After rounds of draft/verify/commit the head's next proposal (its cache of real features
     and its drafted ones) equals a fresh head's that started from the whole sequence."""
@@ -166,8 +251,9 @@ def test_eagle_configs_are_checked() -> None:
     assert exp.pair.draft.kind == "eagle"
     with pytest.raises(ConfigError, match="pair.draft.hidden"):
         compose_exp("pair=smollm2_135m+smollm2_eagle", "pair.draft.hidden=512")
-    with pytest.raises(ConfigError, match="eagle head drafts chains"):
+    with pytest.raises(ConfigError, match="eagle head drafts in this process"):
         compose_exp("backend=real", "pair=smollm2_135m+smollm2_eagle", "schedule=async")
+    assert compose_exp("backend=real", "pair=smollm2_135m+smollm2_eagle", "schedule.tree=true").schedule.tree
 
 
 def test_the_simulator_costs_an_eagle_head_as_one_layer_an_fc_and_the_lm_head() -> None:
