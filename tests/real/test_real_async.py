@@ -21,7 +21,8 @@ from real.errors import RealSetupError, WorkerFailed
 from real.model.decoder import Transformer
 from real.model.tree_tokens import LocalModel
 from real.runtime.context import RealRequest
-from real.runtime.links import Kind, LoopbackTransport, Message
+from real.runtime.links import Kind, Message
+from real.runtime.loopback import LoopbackTransport
 from real.schedules.async_tree import Peer, Side, draft_worker, target_worker, unpack_batch
 from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams

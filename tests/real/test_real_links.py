@@ -12,11 +12,11 @@ from real.runtime.links import (
     MAX_WAKEUP_S,
     Kind,
     LinkTimeout,
-    LoopbackTransport,
     Message,
     decode_header,
     encode_header,
 )
+from real.runtime.loopback import LoopbackTransport
 from testbed.links import LinkDelays, LinkModel
 from testbed.placement import LinkSpec
 from testbed.recorder import RunRecorder

@@ -17,7 +17,8 @@ from real.errors import RealSetupError, WorkerFailed
 from real.model.decoder import Transformer
 from real.model.drafts import ModelDraft
 from real.runtime.context import RealRequest
-from real.runtime.links import Kind, LoopbackTransport, Message
+from real.runtime.links import Kind, Message
+from real.runtime.loopback import LoopbackTransport
 from real.runtime.pipeline import Stage, pack_dists, stage_worker, stop, unpack_dists
 from real.schedules.decentralized import (
     WindowVerifier,
