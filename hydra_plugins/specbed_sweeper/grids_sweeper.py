@@ -103,7 +103,7 @@ class GridsSweeper(BasicSweeper):
         compositions are the launcher's own (GroupCachedConfigLoader), so its jobs reuse them."""
         if os.environ.get(CHECKED_ENV) == "1":
             return  # `python -m testbed`'s pre-run check has composed and validated every job
-            # of every grid that runs (testbed/app/preflight.py: _grids)
+            # of every grid that runs (testbed/app/grids.py: sweep_grids)
         loader = self.hydra_context.config_loader if self.hydra_context is not None else None
         if not isinstance(loader, ConfigLoaderImpl) or self.config is None:
             return super().validate_batch_is_legal(batch)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import platform
 import shutil
 import statistics
 import time
@@ -46,6 +45,7 @@ from real.calibrate.drafts import TEMPERATURES, drafts_to_measure
 from real.calibrate.drafts import make_draft as _make_draft
 from real.calibrate.fit import isotonic, smooth_table
 from real.calibrate.links import measure_messages
+from real.calibrate.machine import load_average, machine_facts
 from real.model.runners import sync_device
 from testbed.config import ExperimentConfig, ModelConfig, real_dtype
 from testbed.paths import profile_path as testbed_profile_path
@@ -109,34 +109,6 @@ class Probes:
 
     def value(self, key: tuple) -> float:
         return statistics.median(self.samples[key])
-
-
-# ----------------------------------------------------------------------------- machine facts
-def machine_facts() -> dict[str, Any]:
-    import psutil
-
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    freq = psutil.cpu_freq()
-    return {"platform": platform.platform(), "machine": platform.machine(), "cpu": model,
-            "python": platform.python_version(), "cpus_logical": psutil.cpu_count(),
-            "cpus_physical": psutil.cpu_count(logical=False),
-            "cpu_mhz": freq.current if freq else None,
-            "memory_gb": round(psutil.virtual_memory().total / 2**30, 2),
-            "hostname": platform.node()}
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 # ------------------------------------------------------------------------------------ models

@@ -17,8 +17,9 @@ from torch import Tensor
 
 from real.model.eagle import EagleDraft
 from testbed.spec.sampling import SamplingParams, standardize
-from testbed.spec.tree import DraftTree, KVCompactionPlan
+from testbed.spec.tree import DraftTree
 from testbed.spec.tree_drafter import DraftSource
+from testbed.spec.tree_io import KVCompactionPlan
 
 
 class EagleTreeTokens(DraftSource):

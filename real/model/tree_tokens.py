@@ -34,8 +34,9 @@ from typing import Protocol
 import torch
 
 from testbed.spec.sampling import SamplingParams, standardize
-from testbed.spec.tree import DraftTree, KVCompactionPlan, TreeBatch
+from testbed.spec.tree import DraftTree
 from testbed.spec.tree_drafter import DraftSource
+from testbed.spec.tree_io import KVCompactionPlan, TreeBatch
 from testbed.spec.tree_verify import verify_tree
 
 

@@ -57,7 +57,6 @@ from real.runtime.links import Kind, Message, Transport
 from real.schedules import TwoGroups, register
 from testbed.recorder import RequestRecord, RunRecorder
 from testbed.spec.sampling import SamplingParams
-from testbed.spec.tree import TreeBatch
 from testbed.spec.tree_drafter import (
     AsyncDepth,
     DraftRowSample,
@@ -65,6 +64,7 @@ from testbed.spec.tree_drafter import (
     TreeDrafter,
     TreeKvStats,
 )
+from testbed.spec.tree_io import TreeBatch
 
 PROBE_REPEATS = 15  # per model for d (after one warm-up): 5 swung d by ±3 on this host
 PROBE_TURNS = 5  # ... timed in 5 alternating turns of 3 (probe_draft)

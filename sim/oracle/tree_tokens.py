@@ -34,7 +34,7 @@ from sim.oracle.base import IidOracle
 from sim.oracle.synthetic import SyntheticSequence
 from sim.runtime.context import SimContext, SimRequest
 from testbed.spec.ngram import NgramTreeSource
-from testbed.spec.tree import DraftTree, TreeBatch
+from testbed.spec.tree import DraftTree
 from testbed.spec.tree_drafter import (
     DraftRowSample,
     DraftSource,
@@ -42,6 +42,7 @@ from testbed.spec.tree_drafter import (
     TreeDrafter,
     TreeKvStats,
 )
+from testbed.spec.tree_io import TreeBatch
 from testbed.spec.tree_verify import verify_tree
 
 Keys = list[tuple[int, int]]

@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from testbed.app.compose_cache import shared_config_cache
+from testbed.app.grids import grid_job_count, sweep_grids
 from testbed.app.unused_settings import unused_for, unused_settings
 from testbed.compose import pairs_named, register_configs, to_experiment
 from testbed.config import ConfigError, ExperimentConfig
@@ -311,47 +312,16 @@ def preflight(args: list[str], composed: dict[str, Any] | None = None, warm_pool
             warm(cfg.hydra.launcher, str(cfg.backend))
         exps: list[ExperimentConfig] = []
         n = 0
-        for params in _grids(cfg.hydra.sweeper):
+        for params in sweep_grids(cfg.hydra.sweeper):
             n += _check_grid(cfg, params, sweeps=dict(sweeps), parsed=parsed, plain=plain, parser=parser, exps=exps, checked=n)
         _check_unused(user_keys, exps)
         from testbed.app.sweeps import remember_jobs
 
         remember_jobs(cfg, exps)  # what each job needs (real.calibrate.ensure_profile)
-        return _grid_jobs(cfg, args) or n
-
-
-def _grid_jobs(cfg: Any, args: list[str]) -> int:
-    """The number of jobs of a GridsSweeper sweep (hydra_plugins/specbed_sweeper: `+sweep=validate`,
-    `+sweep=gpu_split`), 0 for Hydra's basic sweeper; only its base grid is checked above."""
-    sw = cfg.hydra.sweeper
-    if "GridsSweeper" not in str(sw.get("_target_", "")):
-        return 0
-    from hydra_plugins.specbed_sweeper.grids_sweeper import GridsSweeper
-
-    try:
-        only = OmegaConf.to_container(sw, resolve=True).get("only")
-    except OmegaConfBaseException:  # an interpolation only a running Hydra resolves: count unknown
-        return 0
-    try:
-        sweeper = GridsSweeper(params=dict(sw.get("params") or {}),
-                               grids=OmegaConf.to_container(sw.grids) if sw.get("grids") else {}, only=only)
-    except ValueError as e:  # e.g. +sweep=gpu_split on hardware it has no grid for
-        raise PreflightError(str(e)) from None
-    parser = OverridesParser.create()
-    cli = [a for a in args if "=" in a and not a.startswith(("+sweep=", "hydra."))]
-    parsed = parser.parse_overrides([f"{k}={v}" for k, v in sweeper.params.items()] + cli)
-    return sum(len(batch) for batch in sweeper.split_arguments(parsed, None))
-
-
-def _grids(sweeper: Any) -> list[dict[str, Any]]:
-    """The sweep parameters of every grid a multirun runs: ``params``, and with the grids sweeper
-    (hydra_plugins.specbed_sweeper) each grid of ``grids`` chosen by ``only`` over them."""
-    params = dict(sweeper.get("params") or {})
-    grids = {k: dict(g) for k, g in (sweeper.get("grids") or {}).items() if g}
-    only = list(sweeper.get("only") or []) or None
-    out = [params] if only is None or "base" in only else []
-    out += [{**params, **g} for name, g in grids.items() if only is None or name in only]
-    return out or [params]
+        try:
+            return grid_job_count(cfg, args) or n
+        except ValueError as e:  # e.g. +sweep=gpu_split on hardware it has no grid for
+            raise PreflightError(str(e)) from None
 
 
 def _check_grid(cfg: Any, params: dict[str, Any], *, sweeps: dict[str, Any], parsed: list, plain: list[str],  # type: ignore[type-arg]

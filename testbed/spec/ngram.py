@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from testbed.spec.tree import DraftTree, TreeMode
+from testbed.spec.tree import DraftTree
 from testbed.spec.tree_drafter import DraftSource
+from testbed.spec.tree_io import TreeMode
 
 RECENCY_TIE_BREAK = 1e-3  # < 1: only orders tokens of equal count (latest occurrence first)
 

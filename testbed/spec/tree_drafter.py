@@ -68,7 +68,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from testbed.spec.tree import DraftTree, KVCompactionPlan, TreeBatch, TreeMode
+from testbed.spec.tree import DraftTree
+from testbed.spec.tree_io import KVCompactionPlan, TreeBatch, TreeMode
 
 
 class DraftSource(ABC):

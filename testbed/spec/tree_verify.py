@@ -44,7 +44,7 @@ import torch
 
 from testbed.spec.sampling import sample
 from testbed.spec.speculative import accepted_prefix, residual
-from testbed.spec.tree import TreeBatch
+from testbed.spec.tree_io import TreeBatch
 
 
 @dataclass

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from testbed.spec.tree import DraftTree, KVCompactionPlan
+from testbed.spec.tree import DraftTree
 from testbed.spec.tree_drafter import DraftSource, TreeDrafter, TreeKvStats
+from testbed.spec.tree_io import KVCompactionPlan
 
 VOCAB = 16
 
