@@ -120,7 +120,7 @@ class Stage:
         s = self.now()
         out = self.compute(x, start, head=head)
         e = self.now()
-        self.rec.span(self.name, kind, s, e, request_id, round_idx)
+        self.rec.span(self.name, kind, s, e, request_id=request_id, round_idx=round_idx)
         key = (phase, 0 if kind == "prefill" else 1)
         self.compute_s[key] = self.compute_s.get(key, 0.0) + e - s
         return out

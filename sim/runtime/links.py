@@ -100,6 +100,6 @@ class Link:
         self.bytes_sent += nbytes
         self.busy_s += env.now - start
         if self.rec is not None:
-            self.rec.span(self.name, "link", start, env.now, request_id, round_idx)
+            self.rec.span(self.name, "link", start, env.now, request_id=request_id, round_idx=round_idx)
         return env.now - start
 

@@ -88,7 +88,7 @@ class Pipeline:
             s = env.now
             dt = fwd("target", tokens, context, lay)
             yield env.timeout(dt)
-            rec.span(name, kind, s, env.now, request_id, round_idx)
+            rec.span(name, kind, s, env.now, request_id=request_id, round_idx=round_idx)
             compute += dt
             if i < last:
                 yield from self.hops[i].send(nbytes, request_id, round_idx)
