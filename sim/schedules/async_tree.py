@@ -123,7 +123,7 @@ class Side:
         return self.env.now
 
 
-def target_worker(side: Side, req: SimRequest, toks: Any, start: float, out: list[int],
+def target_worker(side: Side, req: SimRequest, toks: Any, start: float, *, out: list[int],
                   finished: dict[str, float]) -> Generator[Any, Any, None]:
     """SwiftSpec Algorithm 1, target side, for one request: verify each subtree the draft
     sends, send back the emitted tokens; records the rounds."""
@@ -257,7 +257,7 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
                       vocab=ctx.exp.pair.target.vocab, sampled=ctx.exp.sampling.temperature > 0)
     out: list[int] = []
     finished: dict[str, float] = {}
-    target = env.process(target_worker(target_side, req, drafter.toks, start, out, finished))
+    target = env.process(target_worker(target_side, req, drafter.toks, start, out=out, finished=finished))
     yield from draft_worker(draft_side, req, drafter, depth)
     yield target
     ids = out if ctx.oracle.produces_ids else []

@@ -111,7 +111,7 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
     pf_draft = cost.prefill("draft", req.prompt_len)  # the draft shares node 0's GPUs
     yield env.timeout(pf_draft)
     rec.span("draft", "prefill", t_start, env.now, request_id=rid)
-    yield from pipe.forward(req.prompt_len, 0, rid, -1, "prefill")
+    yield from pipe.forward(req.prompt_len, 0, rid, -1, kind="prefill")
     prefill_s = env.now - t_start
     start = env.now
     seq_len = req.prompt_len
@@ -129,7 +129,7 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
         yield timeout(draft_s)
         rec.span("draft", "draft", t_round, env.now, request_id=rid, round_idx=r)
         q_bytes = draft_dists_bytes(gamma, vocab=exp.pair.target.vocab, topk=s.draft_topk) if sends_q else 0
-        target_s = yield from pipe.forward(gamma + 1, seq_len - 1, rid, r, "verify", q_bytes)
+        target_s = yield from pipe.forward(gamma + 1, seq_len - 1, rid, r, kind="verify", dists_bytes=q_bytes)
         if s.adaptive and isinstance(seq, SyntheticSequence):  # a trace replays the rule's outcomes
             outcome, key = adaptive_round(seq, gamma, s.tau, lambdas)
             acc["key"] += sum(key)
