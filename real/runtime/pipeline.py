@@ -108,7 +108,7 @@ class Stage:
         otherwise) written at slots ``start ..``; logits ``[T, V]`` when ``head`` (last stage)."""
         m, (lo, hi) = self.model, self.layers
         h = m.embed(x) if self.first else x
-        h = m.forward_layers(h, start, None, lo, hi)
+        h = m.forward_layers(h, start, lo=lo, hi=hi)
         return m.head(h)[0] if head else h
 
     def timed(self, x: torch.Tensor, start: int, *, head: bool, kind: str, phase: int,
