@@ -125,7 +125,7 @@ def decode_run(model: Transformer, prompt_ids: list[int], new_tokens: int,
     return times
 
 
-def measure(model: Transformer, prompt_ids: list[int], new_tokens: int, runs: int,
+def measure(model: Transformer, prompt_ids: list[int], new_tokens: int, runs: int, *,
             grad_ctx: Callable[[], AbstractContextManager] = torch.inference_mode,
             bandwidth: Bandwidth | None = None) -> dict:
     """Best/median decode speed over ``runs``; with ``bandwidth``, it is sampled before each run
@@ -199,7 +199,7 @@ def run_ablations(model: Transformer, prompt_ids: list[int], *, new_tokens: int,
         else:
             report(name, tps, op_by_op, "op by op")
     report("torch.no_grad instead of torch.inference_mode",
-           measure(model, prompt_ids, new_tokens, runs, torch.no_grad)["tokens_per_s"], baseline, "optimised")
+           measure(model, prompt_ids, new_tokens, runs, grad_ctx=torch.no_grad)["tokens_per_s"], baseline, "optimised")
     threads = torch.get_num_threads()
     if threads > 1:
         torch.set_num_threads(1)

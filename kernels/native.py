@@ -306,7 +306,7 @@ def _pack(model, lo: int, hi: int) -> tuple[object, _LayerDims] | None:
     return layer_ptrs, dims
 
 
-def decode_layers(model, lo: int, hi: int, h: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
+def decode_layers(model, lo: int, hi: int, h: Tensor, *, cos: Tensor, sin: Tensor, pos: Tensor,
                   mask: Tensor | None, kv_len: int) -> Tensor | None:
     """Layers ``[lo, hi)`` of ``model`` (a real.model.decoder.Transformer) on ``h [1, T, dim]`` (T <= ``MAX_TOKENS``)
     in one native call, or None when this case is not covered (the model then runs op by op).

@@ -102,7 +102,7 @@ def swiglu_fused(x: Tensor, w_gate_up: Tensor) -> Tensor:
     return F.silu(gate).mul_(up)
 
 
-def decode_layers(model, lo: int, hi: int, h: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
+def decode_layers(model, lo: int, hi: int, h: Tensor, *, cos: Tensor, sin: Tensor, pos: Tensor,
                   mask: Tensor | None, kv_len: int) -> Tensor | None:
     """A fused kernel for a run of decoder layers, or None: the model then runs its layers op by
     op through the ops above, which *are* the reference definition (``real.model.decoder``).

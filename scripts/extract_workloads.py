@@ -113,7 +113,7 @@ def require_license(archive: Archive, suffix: str, first_words: str) -> str:
 
 
 def row(
-    id_: str, kind: str, turns: list[str], category: str | None, source: str, meta: dict
+    id_: str, kind: str, turns: list[str], *, category: str | None, source: str, meta: dict
 ) -> dict:
     if not turns or not all(isinstance(t, str) and t for t in turns):
         raise SystemExit(f"{id_}: empty or non-text turn")
@@ -154,9 +154,9 @@ def extract_humaneval(archive: Archive) -> Extracted:
                 rec["task_id"],
                 "code",
                 [rec["prompt"]],
-                None,
-                source,
-                {"entry_point": rec["entry_point"], "test": rec["test"]},
+                category=None,
+                source=source,
+                meta={"entry_point": rec["entry_point"], "test": rec["test"]},
             )
         )
     lic = require_license(archive, ".dist-info/LICENSE", "The MIT License Copyright (c) OpenAI")
@@ -177,9 +177,9 @@ def extract_mtbench(archive: Archive) -> Extracted:
                 f"mtbench/{qid}",
                 "chat",
                 list(rec["turns"]),
-                rec["category"],
-                source,
-                {"question_id": qid},
+                category=rec["category"],
+                source=source,
+                meta={"question_id": qid},
             )
         )
     lic = require_license(
@@ -203,9 +203,9 @@ def extract_alpaca(archive: Archive) -> Extracted:
                 f"alpaca/{i:04d}",
                 "instruction",
                 [rec["instruction"]],
-                rec["dataset"],
-                source,
-                {"index": i},
+                category=rec["dataset"],
+                source=source,
+                meta={"index": i},
             )
         )
     top = member.split("/")[0]  # alpaca_eval-VERSION/, the sdist root

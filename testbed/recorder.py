@@ -55,7 +55,7 @@ class RunRecorder:
         self.rounds.append((request_id, round_idx, start_s, end_s, drafted, checked, accepted,
                             emitted, verified_tokens, draft_s, target_s))
 
-    def span(self, resource: str, kind: str, start_s: float, end_s: float,
+    def span(self, resource: str, kind: str, start_s: float, end_s: float, *,
              request_id: int = -1, round_idx: int = -1) -> None:
         if self.keep_spans:
             self.spans.append((resource, kind, start_s, end_s, request_id, round_idx))

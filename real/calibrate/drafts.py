@@ -46,7 +46,7 @@ def drafts_to_measure(exp: ExperimentConfig) -> list[ModelConfig]:
     return list(found.values())
 
 
-def make_draft(exp: ExperimentConfig, draft: ModelConfig, target: Any, tokenizer: Any, params: Any) -> Any:
+def make_draft(exp: ExperimentConfig, draft: ModelConfig, target: Any, tokenizer: Any, *, params: Any) -> Any:
     from real.runtime import loading
 
     e = copy.deepcopy(exp)

@@ -35,7 +35,7 @@ def round_trip_s(rank: int, size: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _pingpong(rank: int, port: int, sizes: list[int], repeats: int, out: Any) -> None:
+def _pingpong(rank: int, port: int, *, sizes: list[int], repeats: int, out: Any) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -64,7 +64,8 @@ def measure_messages(sizes: list[int], repeats: int, timeout_s: float = 120.0) -
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_pingpong, args=(r, port, sizes, repeats, q), daemon=True) for r in (0, 1)]
+    procs = [ctx.Process(target=_pingpong, args=(r, port), kwargs={"sizes": sizes, "repeats": repeats, "out": q},
+                         daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
     try:

@@ -52,7 +52,7 @@ def probe_functions(exp: ExperimentConfig, target: Any, tokenizer: Any,
     for d in drafts:
         if d.kind == "ngram" or not d.name:
             continue
-        draft = _make_draft(exp, d, target, tokenizer, SamplingParams())
+        draft = _make_draft(exp, d, target, tokenizer, params=SamplingParams())
         model = getattr(draft, "model", None)
         if model is not None and model.max_seq < PROBE_CONTEXT + 2:
             model.setup_cache(PROBE_CONTEXT + 2)

@@ -264,7 +264,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, *, grid: Grid 
             for d in drafts_to_measure(exp):
                 try:
                     def make(temp: float, d: ModelConfig = d) -> Any:
-                        return _make_draft(exp, d, target, tokenizer, SamplingParams(temperature=temp))
+                        return _make_draft(exp, d, target, tokenizer, params=SamplingParams(temperature=temp))
                     builders[d.name] = add_draft_probes(pr, d, vocab=target.args.vocab_size, grid=grid, prompt=prompt, make=make)
                 except Exception as e:  # noqa: BLE001 - one unusable draft must not lose the rest
                     log(f"draft {d.name}: skipped ({type(e).__name__}: {e})")

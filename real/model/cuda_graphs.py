@@ -57,7 +57,7 @@ class GraphedForwards:
         if mask is None:
             mask = torch.arange(m.max_seq, device=slots.device)[None, :] <= slots[:, None]
         for layer in m.layers:
-            h = layer(h, cos, sin, slots, mask, m.max_seq)
+            h = layer(h, cos, sin, slots, mask=mask, kv_len=m.max_seq)
         return kernels.linear(kernels.rms_norm(h, m.norm, m.args.norm_eps), m.output)[0].float()
 
     def _usable(self, k: int, high: int) -> bool:

@@ -95,7 +95,7 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -
 class KVCache(nn.Module):
     """One layer's keys and values, ``[max_batch, n_kv_heads, max_seq, head_dim]``, by slot."""
 
-    def __init__(self, max_batch: int, n_kv_heads: int, max_seq: int, head_dim: int,
+    def __init__(self, max_batch: int, n_kv_heads: int, max_seq: int, head_dim: int, *,
                  dtype: torch.dtype, device: torch.device | str | None = None) -> None:
         super().__init__()
         shape = (max_batch, n_kv_heads, max_seq, head_dim)
@@ -125,7 +125,7 @@ class Attention(nn.Module):
         self.wo = _param(args.dim, args.n_heads * args.head_dim, dtype=dtype, device=device)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, *,
                 mask: Tensor | None, kv_len: int | None) -> Tensor:
         """``kv_len`` None: a cache-free forward (the T tokens attend among themselves)."""
         b, t, _ = x.shape
@@ -163,10 +163,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = _param(args.dim, dtype=dtype, device=device)
         self.feed_forward = FeedForward(args, dtype, device)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, *,
                 mask: Tensor | None, kv_len: int | None) -> Tensor:
         h = _add_residual(self.attention(kernels.rms_norm(x, self.attention_norm, self.eps),
-                                         cos, sin, input_pos, mask, kv_len), x)
+                                         cos, sin, input_pos, mask=mask, kv_len=kv_len), x)
         return _add_residual(self.feed_forward(kernels.rms_norm(h, self.ffn_norm, self.eps)), h)
 
 
@@ -242,7 +242,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             # the layer's own K/V heads: a tensor-parallel rank holds only some (real.model.tp)
             layer.attention.kv_cache = KVCache(max_batch, layer.attention.n_kv_heads, max_seq, self.args.head_dim,
-                                               dtype or self.dtype, self.device) if lo <= i < hi else None
+                                               dtype=dtype or self.dtype, device=self.device) if lo <= i < hi else None
         self.max_seq, self.kv_len = max_seq, 0
         self.cache_epoch += 1  # tells kernels that cached pointers to the old caches are stale
 
@@ -296,8 +296,8 @@ class Transformer(nn.Module):
         return input_pos.to(self.device, non_blocking=True), last, high
 
     def forward_layers(self, h: Tensor, input_pos: Tensor | int | None = None, mask: Tensor | None = None,
-                       lo: int = 0, hi: int | None = None, position_ids: Tensor | None = None,
-                       *, cache: bool = True) -> Tensor:
+                       *, lo: int = 0, hi: int | None = None, position_ids: Tensor | None = None,
+                       cache: bool = True) -> Tensor:
         """Run layers ``[lo, hi)`` on hidden states ``h [B, T, dim]``.
 
         ``input_pos``: cache slots ``[T]`` (or the first slot as an int; None = ``kv_len``).
@@ -329,40 +329,40 @@ class Transformer(nn.Module):
                 raise ValueError(f"mask covers {kv_len} slots but a token is written at slot {high - 1}")
         if not cache:
             for layer in self.layers[lo:hi]:
-                h = layer(h, cos, sin, pos, mask, None)
+                h = layer(h, cos, sin, pos, mask=mask, kv_len=None)
             return h
         if high > self.max_seq:
             raise ValueError(f"slot {high - 1} is beyond the KV cache ({self.max_seq} slots; "
                              "call setup_cache with a larger max_seq)")
         # One native call for all the layers where it applies (batch 1, <= 8 tokens on CPU: the
         # per-op dispatch overhead exceeds the weight streaming time otherwise); else op by op.
-        fused = kernels.decode_layers(self, lo, hi, h, cos, sin, pos, mask, kv_len)
+        fused = kernels.decode_layers(self, lo, hi, h, cos=cos, sin=sin, pos=pos, mask=mask, kv_len=kv_len)
         if fused is not None:
             h = fused
         else:
             for layer in self.layers[lo:hi]:
-                h = layer(h, cos, sin, pos, mask, kv_len)
+                h = layer(h, cos, sin, pos, mask=mask, kv_len=kv_len)
         self.kv_len = high
         if self.keep_hidden and hi == self.args.n_layers:
             self.last_hidden = h
         return h
 
     def forward(self, x: Tensor, input_pos: Tensor | int | None = None, mask: Tensor | None = None,
-                position_ids: Tensor | None = None, layers: tuple[int, int] | None = None,
-                *, cache: bool = True) -> Tensor:
+                position_ids: Tensor | None = None, *, layers: tuple[int, int] | None = None,
+                cache: bool = True) -> Tensor:
         """Tokens ``[B, T]`` -> fp32 logits ``[B, T, vocab]`` (see ``forward_layers`` for the
         arguments). With ``layers=(lo, hi)`` (a pipeline stage) the input is tokens only when
         lo == 0 (hidden states ``[B, T, dim]`` otherwise) and the output is logits only when
         hi == n_layers (hidden states otherwise)."""
         lo, hi = layers or (0, self.args.n_layers)
         h = self.embed(x) if lo == 0 else x
-        h = self.forward_layers(h, input_pos, mask, lo, hi, position_ids, cache=cache)
+        h = self.forward_layers(h, input_pos, mask, lo=lo, hi=hi, position_ids=position_ids, cache=cache)
         return self.head(h) if hi == self.args.n_layers else h
 
     def early_exit(self, tokens: Tensor, n_layers: int, input_pos: Tensor | int | None = None,
-                   mask: Tensor | None = None, position_ids: Tensor | None = None) -> Tensor:
+                   mask: Tensor | None = None, *, position_ids: Tensor | None = None) -> Tensor:
         """Logits after only the first ``n_layers`` layers (final norm + LM head applied): the
         early-exit draft. It writes the same K/V the full model would for those layers, so it
         can share the target's cache."""
-        h = self.forward_layers(self.embed(tokens), input_pos, mask, 0, n_layers, position_ids)
+        h = self.forward_layers(self.embed(tokens), input_pos, mask, lo=0, hi=n_layers, position_ids=position_ids)
         return self.head(h)

@@ -150,7 +150,7 @@ class EarlyExitDraft(_ForwardDraft):
 
     def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
         x = torch.tensor([tokens], device=self.target.device)
-        h = self.target.forward_layers(self.target.embed(x), start, None, 0, self.exit_layer)
+        h = self.target.forward_layers(self.target.embed(x), start, lo=0, hi=self.exit_layer)
         return self.target.head(h[:, -1:])[0, -1]
 
 

@@ -61,7 +61,7 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 class Tokenizer:
     """encode/decode, special ids and the chat template of one model."""
 
-    def __init__(self, backend: BackendTokenizer, eos_token_ids: Sequence[int],
+    def __init__(self, backend: BackendTokenizer, eos_token_ids: Sequence[int], *,
                  bos_token_id: int | None = None, add_bos: bool = False,
                  chat_template: str | None = None) -> None:
         self.backend = backend

@@ -68,7 +68,7 @@ def _progress(total: int, enabled: bool, desc: str):  # type: ignore[no-untyped-
     return tqdm(total=total, desc=desc, unit="tok", disable=not enabled, leave=False, dynamic_ncols=True)
 
 
-def serve(exp: ExperimentConfig, schedule: str, target: Transformer, draft: Draft | None,
+def serve(exp: ExperimentConfig, schedule: str, target: Transformer, draft: Draft | None, *,
           requests: list[RealRequest], eos: frozenset[int], progress: bool,
           extra: dict | None = None, probe: RunProbe | None = None) -> RunRecorder:
     """Serve the requests one after another; the schedule's summary fields go into ``extra``
@@ -176,8 +176,8 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
 
         def measure(impl: str, extra: dict | None) -> RunRecorder:
             has_draft = spec(impl).drafts
-            return serve(exp, impl, target, draft if has_draft else None, requests, eos, progress, extra,
-                         probe=probe if has_draft or not drafts else None)
+            return serve(exp, impl, target, draft if has_draft else None, requests=requests, eos=eos,
+                         progress=progress, extra=extra, probe=probe if has_draft or not drafts else None)
         with telemetry if leader else contextlib.nullcontext():
             rec, baseline, repeat_fields = serve_interleaved(
                 schedule_impl(exp), exp.real.repeats, baseline=want_baseline, measure=measure, schedule_extra=schedule_extra, seed=exp.seed)
@@ -185,12 +185,13 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
         want_baseline = False
     else:
         with telemetry if leader else contextlib.nullcontext():
-            rec = serve(exp, schedule_impl(exp), target, draft, requests, eos, progress, schedule_extra, probe)
+            rec = serve(exp, schedule_impl(exp), target, draft, requests=requests, eos=eos, progress=progress,
+                        extra=schedule_extra, probe=probe)
         baseline = None
     if want_baseline:
         key = baseline_key(exp, requests)
         if key not in _BASELINES:
-            _BASELINES[key] = serve(exp, BASELINE, target, None, requests, eos, progress)
+            _BASELINES[key] = serve(exp, BASELINE, target, None, requests=requests, eos=eos, progress=progress)
         baseline = _BASELINES[key]
     extra = {"draft": None if draft is None else draft.name, "dtype": real_dtype(exp),
              "threads": torch.get_num_threads(), "workload_split": exp.workload.split,

@@ -160,7 +160,9 @@ def _launch_spawn(exp: ExperimentConfig, fn: Callable[..., Any], *, args: tuple,
         for rank in range(pl.world_size):
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(target=worker_main, name=f"specbed-{pl.rank(rank).describe()}",
-                            args=(rank, exp, pl, fn, args, os.path.join(rdzv, "store"), cpus, writer),
+                            args=(rank, exp, pl),
+                            kwargs={"fn": fn, "args": args, "store_path": os.path.join(rdzv, "store"),
+                                    "cpus": cpus, "conn": writer},
                             daemon=True)
             p.start()
             writer.close()

@@ -214,7 +214,7 @@ class Transport(ABC):
                             f"{str(e).splitlines()[0][:200]}") from None
         if self.rec is not None:
             self.rec.span(self.link_name(got, self.rank), "link", msg.sent_s, self.clock(),
-                          msg.request_id, msg.round)
+                          request_id=msg.request_id, round_idx=msg.round)
         return msg
 
     def flush(self, timeout_s: float | None = None) -> None:

@@ -108,7 +108,7 @@ class Stage:
         otherwise) written at slots ``start ..``; logits ``[T, V]`` when ``head`` (last stage)."""
         m, (lo, hi) = self.model, self.layers
         h = m.embed(x) if self.first else x
-        h = m.forward_layers(h, start, None, lo, hi)
+        h = m.forward_layers(h, start, lo=lo, hi=hi)
         return m.head(h)[0] if head else h
 
     def timed(self, x: torch.Tensor, start: int, *, head: bool, kind: str, phase: int,
@@ -120,7 +120,7 @@ class Stage:
         s = self.now()
         out = self.compute(x, start, head=head)
         e = self.now()
-        self.rec.span(self.name, kind, s, e, request_id, round_idx)
+        self.rec.span(self.name, kind, s, e, request_id=request_id, round_idx=round_idx)
         key = (phase, 0 if kind == "prefill" else 1)
         self.compute_s[key] = self.compute_s.get(key, 0.0) + e - s
         return out

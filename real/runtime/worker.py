@@ -260,7 +260,7 @@ def quiet_tqdm_lock() -> None:
     tqdm.set_lock(threading.RLock())
 
 
-def worker_main(rank: int, exp: ExperimentConfig, pl: Placement, fn: Callable[..., Any],
+def worker_main(rank: int, exp: ExperimentConfig, pl: Placement, *, fn: Callable[..., Any],
                 args: tuple, store_path: str, cpus: list[int], conn: Any) -> None:
     """Entry of a spawned worker: report ("ok", result) or ("error", class, line) on ``conn``."""
     import pickle

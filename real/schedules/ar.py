@@ -15,7 +15,7 @@ def serve_ar(ctx: RealContext, req: RealRequest) -> None:
     s = ctx.now()
     ctx.target.prefill(ids)
     prefill_s = ctx.now() - s
-    rec.span("target", "prefill", s, s + prefill_s, rid)
+    rec.span("target", "prefill", s, s + prefill_s, request_id=rid)
     start = ctx.now()
     out: list[int] = []
     done, i = False, 0
@@ -28,7 +28,7 @@ def serve_ar(ctx: RealContext, req: RealRequest) -> None:
         out, done = finish(out, [t], req.max_new_tokens, ctx.eos)
         rec.round(request_id=rid, round_idx=i, start_s=s, end_s=e, drafted=0, checked=0, accepted=0,
                   emitted=1, verified_tokens=1, draft_s=0.0, target_s=e - s)
-        rec.span("target", "decode", s, e, rid, i)
+        rec.span("target", "decode", s, e, request_id=rid, round_idx=i)
         ctx.on_tokens(1)
         i += 1
     rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=len(req.prompt_ids),

@@ -264,7 +264,7 @@ def target_worker(side: Side, req: RealRequest, eos: frozenset[int],
     ids = list(req.prompt_ids)
     t0 = now()
     prefill(side.model, ids[:-1])
-    rec.span("target", "prefill", t0, now(), rid)
+    rec.span("target", "prefill", t0, now(), request_id=rid)
     verifier = TargetTreeTokens(side.fwd, side.params, side.generator(rid, TARGET_SALT))
     mode = "topk" if side.params.greedy else "sample"
     out: list[int] = []
@@ -293,7 +293,7 @@ def target_worker(side: Side, req: RealRequest, eos: frozenset[int],
         rec.round(request_id=rid, round_idx=r, start_s=t_prev, end_s=e, drafted=len(batch) - 1,
                   checked=res.checked, accepted=res.accepted, emitted=len(out) - before,
                   verified_tokens=len(batch), draft_s=draft_s, target_s=e - s0)
-        rec.span("target", "verify", s0, e, rid, r)
+        rec.span("target", "verify", s0, e, request_id=rid, round_idx=r)
         on_tokens(len(out) - before)
         side.charge("send", now() - e)
         t_prev = now()
@@ -319,7 +319,7 @@ def draft_worker(side: Side, req: RealRequest, depth: AsyncDepth | int, *, width
     if side.model is not None:  # the n-gram draft has no cache to fill
         prefill(side.model, ids[:-1])
     prefill_end = now()
-    rec.span("draft", "prefill", t0, prefill_end, rid)
+    rec.span("draft", "prefill", t0, prefill_end, request_id=rid)
     source = side.new_draft_source(ids, side.generator(rid, DRAFT_SALT))
     drafter = TreeDrafter(source, width=width, budget=budget, kv=side.kv, rows=side.rows)
     tree = drafter.tree
@@ -328,7 +328,7 @@ def draft_worker(side: Side, req: RealRequest, depth: AsyncDepth | int, *, width
         s0 = now()
         if drafter.expand() is None:
             return None
-        rec.span("draft", "expand", s0, now(), rid, r)
+        rec.span("draft", "expand", s0, now(), request_id=rid, round_idx=r)
         return now() - s0
 
     r, draft_s, times = 0, 0.0, []  # times: expansions since d was last updated
@@ -367,7 +367,7 @@ def draft_worker(side: Side, req: RealRequest, depth: AsyncDepth | int, *, width
         drafter.advance(msg.tensors[0].tolist())  # re-root + KV compaction
         if len(ids) != msg.committed:
             raise StaleTree(f"draft re-rooted after {len(ids)} tokens, the target after {msg.committed}")
-        rec.span("draft", "reroot", s0, now(), rid, r)
+        rec.span("draft", "reroot", s0, now(), request_id=rid, round_idx=r)
         side.charge("reroot", now() - s0)
         r += 1
         while len(tree) < drafter.budget:

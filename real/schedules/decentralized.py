@@ -91,7 +91,9 @@ class WindowVerifier:
         q = unpack_dists(msg.tensors[2:], self.vocab) if len(msg.tensors) > 2 \
             else one_hot(guesses.tolist(), self.vocab)
         if self.adaptive:
-            res = dsd_verify(p, q, guesses, self.tau, *self.lambdas, generator=self.gen)
+            lambda1, lambda2, lambda3 = self.lambdas
+            res = dsd_verify(p, q, guesses, self.tau, lambda1=lambda1, lambda2=lambda2, lambda3=lambda3,
+                             generator=self.gen)
             step = res.step
             self.key += sum(res.key)
         else:
@@ -126,7 +128,7 @@ def dsd_first_stage(stage: Stage, draft: Draft, req: RealRequest, eos: frozenset
     send_prompt(stage, ids[:-1], rid, SCHEDULE_PHASE)
     s = now()
     draft.start(ids)  # overlaps the other stages' prefill
-    rec.span("draft", "prefill", s, now(), rid)
+    rec.span("draft", "prefill", s, now(), request_id=rid)
     prefill_end = max(await_prompt(stage, rid), now())
     start = now()
     out: list[int] = []
@@ -149,7 +151,7 @@ def dsd_first_stage(stage: Stage, draft: Draft, req: RealRequest, eos: frozenset
         rec.round(request_id=rid, round_idx=r, start_s=s, end_s=e, drafted=k, checked=n + (n < k),
                   accepted=n, emitted=len(out) - before, verified_tokens=k + 1, draft_s=m - s,
                   target_s=e - m)
-        rec.span("draft", "draft", s, m, rid, r)
+        rec.span("draft", "draft", s, m, request_id=rid, round_idx=r)
         on_tokens(len(out) - before)
         r += 1
     rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=len(req.prompt_ids),

@@ -36,8 +36,8 @@ def serve_sync(ctx: RealContext, req: RealRequest) -> None:
     m = ctx.now()
     draft.start(ids)
     prefill_s = ctx.now() - s
-    rec.span("target", "prefill", s, m, rid)
-    rec.span("draft", "prefill", m, s + prefill_s, rid)
+    rec.span("target", "prefill", s, m, request_id=rid)
+    rec.span("draft", "prefill", m, s + prefill_s, request_id=rid)
     start = ctx.now()
     out: list[int] = []
     done, r = False, 0
@@ -60,8 +60,8 @@ def serve_sync(ctx: RealContext, req: RealRequest) -> None:
         rec.round(request_id=rid, round_idx=r, start_s=s, end_s=e, drafted=k, checked=n + (n < k),
                   accepted=n, emitted=len(out) - before, verified_tokens=k + 1, draft_s=m - s,
                   target_s=e - m)
-        rec.span("draft", "draft", s, m, rid, r)
-        rec.span("target", "verify", m, e, rid, r)
+        rec.span("draft", "draft", s, m, request_id=rid, round_idx=r)
+        rec.span("target", "verify", m, e, request_id=rid, round_idx=r)
         ctx.on_tokens(len(out) - before)
         r += 1
     rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=len(req.prompt_ids),

@@ -34,8 +34,8 @@ def serve_sync_tree(ctx: RealContext, req: RealRequest) -> None:
     m = ctx.now()
     ctx.draft.start(ids)
     prefill_s = ctx.now() - t
-    rec.span("target", "prefill", t, m, rid)
-    rec.span("draft", "prefill", m, t + prefill_s, rid)
+    rec.span("target", "prefill", t, m, request_id=rid)
+    rec.span("draft", "prefill", m, t + prefill_s, request_id=rid)
     kv = ctx.state.setdefault("tree_kv", TreeKvStats())
     rows = ctx.state.setdefault("tree_rows", DraftRowSample())
     if isinstance(ctx.draft, EagleDraft):  # the head reads the target's features
@@ -64,12 +64,12 @@ def serve_sync_tree(ctx: RealContext, req: RealRequest) -> None:
         before = len(out)
         out, done = finish(out, res.tokens, req.max_new_tokens, ctx.eos)
         drafter.advance(res.tokens, features=res.features)
-        rec.span("draft", "reroot", e, ctx.now(), rid, r)
+        rec.span("draft", "reroot", e, ctx.now(), request_id=rid, round_idx=r)
         rec.round(request_id=rid, round_idx=r, start_s=t, end_s=e, drafted=len(batch) - 1,
                   checked=res.checked, accepted=res.accepted, emitted=len(out) - before,
                   verified_tokens=len(batch), draft_s=m - t, target_s=e - m)
-        rec.span("draft", "draft", t, m, rid, r)
-        rec.span("target", "verify", m, e, rid, r)
+        rec.span("draft", "draft", t, m, request_id=rid, round_idx=r)
+        rec.span("target", "verify", m, e, request_id=rid, round_idx=r)
         ctx.on_tokens(len(out) - before)
         r += 1
     rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=len(req.prompt_ids),

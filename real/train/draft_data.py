@@ -97,7 +97,7 @@ def _topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 @torch.inference_mode()
-def generate_batch(target, prompts: list[list[int]], max_new: int, temperature: float, k: int,
+def generate_batch(target, prompts: list[list[int]], *, max_new: int, temperature: float, k: int,
                    eos: list[int], gen: torch.Generator) -> list[dict]:
     """Batched (left-padded) generation with the target; records top-k log-probs everywhere.
 
@@ -217,8 +217,8 @@ def build_teacher_data(cfg: DictConfig, data_dir: Path, *, limit: int | None = N
         else:
             _, temp, max_new = kind.split(":")
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + hash_name(name))
-            seqs = generate_batch(target, payload, int(max_new), float(temp), cfg.data.topk,
-                                  tok.eos_token_ids, gen)
+            seqs = generate_batch(target, payload, max_new=int(max_new), temperature=float(temp),
+                                  k=cfg.data.topk, eos=tok.eos_token_ids, gen=gen)
         _atomic_save(seqs, path)
     return paths
 

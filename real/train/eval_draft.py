@@ -93,7 +93,7 @@ def score_sequence(target, draft, *, tokens: list[int], n_prompt: int, temperatu
 
 
 @torch.inference_mode()
-def decode_forward_ms(target, draft, context: int, reps: int, seed: int) -> tuple[float, float]:
+def decode_forward_ms(target, draft, *, context: int, reps: int, seed: int) -> tuple[float, float]:
     """Median ms of one batch-1, one-token forward after ``context`` tokens, per model (an
     eagle head: its layer, fc and the target's LM head)."""
     gen = torch.Generator().manual_seed(seed)
@@ -147,8 +147,8 @@ def evaluate(cfg: DictConfig) -> dict:
             gen = torch.Generator().manual_seed(cfg.seed)
             seqs = []
             for j in range(0, len(ids), cfg.gen_batch):
-                seqs += generate_batch(target, ids[j: j + cfg.gen_batch], cfg.max_new_tokens,
-                                       temp, 1, tok.eos_token_ids, gen)
+                seqs += generate_batch(target, ids[j: j + cfg.gen_batch], max_new=cfg.max_new_tokens,
+                                       temperature=temp, k=1, eos=tok.eos_token_ids, gen=gen)
             scores = [score_sequence(target, draft, tokens=s["tokens"].tolist(), n_prompt=s["n_prompt"], temperature=temp,
                                      gamma=cfg.gamma) for s in seqs if len(s["tokens"]) > s["n_prompt"]]
             pos = sum(s["positions"] for s in scores)
@@ -163,7 +163,7 @@ def evaluate(cfg: DictConfig) -> dict:
                 row["rounds_T0"] = len(acc)
             print(f"{name} {key}: alpha={alpha:.3f} over {pos} positions", flush=True)
         results["workloads"][name] = row
-    t_ms, d_ms = decode_forward_ms(target, draft, cfg.timing.context, cfg.timing.reps, cfg.seed)
+    t_ms, d_ms = decode_forward_ms(target, draft, context=cfg.timing.context, reps=cfg.timing.reps, seed=cfg.seed)
     results["timing"] = {"context": cfg.timing.context, "reps": cfg.timing.reps,
                          "threads": int(cfg.threads), "target_ms": t_ms, "draft_ms": d_ms,
                          "c": d_ms / t_ms}

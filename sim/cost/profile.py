@@ -312,7 +312,7 @@ class ProfileCost(CostModel):
                 self.scale_k[k] = ratio
 
     def forward(self, role: Role, tokens: int, context: int,
-                layers: tuple[int, int] | None = None, _raw: bool = False, shape: str = "chain",
+                layers: tuple[int, int] | None = None, *, _raw: bool = False, shape: str = "chain",
                 alone: bool = False) -> float:
         t = self._forward_unscaled(role, tokens, context=context, layers=layers, shape=shape, alone=alone)
         if _raw:

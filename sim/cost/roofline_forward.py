@@ -112,7 +112,7 @@ def peak_flops(hw: HardwareConfig, dtype: str) -> float:
     return hw.gpu.tflops[dtype] * 1e12
 
 
-def allreduce_s(hw: HardwareConfig, tp: int, nbytes: float, cal: Calibration,
+def allreduce_s(hw: HardwareConfig, tp: int, nbytes: float, cal: Calibration, *,
                 factor: float | None = None) -> float:
     """α–β one-shot all-reduce: α(n) = α₂ + per-peer·(n−2); β term 2(n−1)/n · bytes / NVLink."""
     if tp <= 1:
@@ -155,7 +155,7 @@ def forward_ops(model: ModelConfig, hw: HardwareConfig, *, tp: int, tokens: int,
     attn_peak = peak_flops(hw, hq) * cal.attention_flop_efficiency
     n = hi - lo
 
-    def gemm(name: str, k: int, m: int, kernels: int, extra_bytes: float = 0.0,
+    def gemm(name: str, k: int, m: int, kernels: int, *, extra_bytes: float = 0.0,
              quant: str = model.quant, peak: float = gemm_peak, count: int = n,
              bucket: str = "weights") -> Op:
         return Op(name, bucket, count, kernels, bw, peak,

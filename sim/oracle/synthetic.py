@@ -24,7 +24,7 @@ class SyntheticLM:
 
     SHARPNESS = 2.5  # scale of the target logits: sets the target's entropy (~2–3 nats at V=512)
 
-    def __init__(self, vocab: int, seed: int, params: SamplingParams, alpha: float,
+    def __init__(self, vocab: int, seed: int, params: SamplingParams, alpha: float, *,
                  cache_size: int = 65536) -> None:
         g = np.random.default_rng(seed)
         self.vocab = vocab

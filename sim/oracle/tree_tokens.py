@@ -203,7 +203,7 @@ class TraceTreeTokens(IidTreeTokens):
     fewer tokens per round than the very rounds it replayed. A root is drawn among the rows with
     mass (whether it has any is the recorded round's ``drafted``)."""
 
-    def __init__(self, accepted: list[int], match_rate: float, width: int, rng: random.Random,
+    def __init__(self, accepted: list[int], match_rate: float, width: int, rng: random.Random, *,
                  drafted: list[int] | None = None, rows: list[list[float]] | None = None) -> None:
         super().__init__(min(max(match_rate, 1e-3), 1.0 - 1e-3), width, rng)
         self.accepted, self.next_round = accepted, 0

@@ -35,7 +35,7 @@ class Link:
 
     __slots__ = ("env", "model", "delays", "rec", "wire", "messages", "bytes_sent", "busy_s")
 
-    def __init__(self, env: simpy.Environment, name: str, latency_s: float, bandwidth_Bps: float,
+    def __init__(self, env: simpy.Environment, name: str, latency_s: float, bandwidth_Bps: float, *,
                  jitter_s: float = 0.0, seed: int = 0, rec: RunRecorder | None = None) -> None:
         self.model = LinkModel(name, latency_s, bandwidth_Bps, jitter_s)
         self.delays = LinkDelays(self.model, seed)
@@ -46,7 +46,8 @@ class Link:
     @classmethod
     def of(cls, env: simpy.Environment, model: LinkModel, seed: int = 0,
            rec: RunRecorder | None = None) -> Link:
-        return cls(env, model.name, model.latency_s, model.bandwidth_Bps, model.jitter_s, seed, rec)
+        return cls(env, model.name, model.latency_s, model.bandwidth_Bps, jitter_s=model.jitter_s, seed=seed,
+                   rec=rec)
 
     @property
     def name(self) -> str:
@@ -100,6 +101,6 @@ class Link:
         self.bytes_sent += nbytes
         self.busy_s += env.now - start
         if self.rec is not None:
-            self.rec.span(self.name, "link", start, env.now, request_id, round_idx)
+            self.rec.span(self.name, "link", start, env.now, request_id=request_id, round_idx=round_idx)
         return env.now - start
 

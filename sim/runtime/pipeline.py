@@ -75,7 +75,7 @@ class Pipeline:
             return 0.0
         return sum(h.mean_time(tokens * self.act_bytes_per_token) for h in self.hops) / len(self.hops)
 
-    def forward(self, tokens: int, context: int, request_id: int, round_idx: int,
+    def forward(self, tokens: int, context: int, request_id: int, round_idx: int, *,
                 kind: str, dists_bytes: int = 0) -> Generator[Any, Any, float]:
         """Run `tokens` tokens through every stage; returns the compute seconds spent. Each hop
         carries what real/runtime/pipeline.py sends: activations, the tokens' ids and ``dists_bytes`` of
@@ -88,7 +88,7 @@ class Pipeline:
             s = env.now
             dt = fwd("target", tokens, context, lay)
             yield env.timeout(dt)
-            rec.span(name, kind, s, env.now, request_id, round_idx)
+            rec.span(name, kind, s, env.now, request_id=request_id, round_idx=round_idx)
             compute += dt
             if i < last:
                 yield from self.hops[i].send(nbytes, request_id, round_idx)
@@ -115,14 +115,14 @@ def ar_pipeline(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     seq = ctx.oracle.sequence(req.request_id, req.prompt_len)
     rid = req.request_id
     t0 = env.now
-    yield from pipe.forward(req.prompt_len, 0, rid, -1, "prefill")
+    yield from pipe.forward(req.prompt_len, 0, rid, -1, kind="prefill")
     prefill_s = env.now - t0
     start = env.now
     kv = req.prompt_len - 1  # the last prompt token is fed by the first decode forward
     out: list[int] = []
     for i in range(req.max_new_tokens):
         s = env.now
-        compute = yield from pipe.forward(1, kv, rid, i, "decode")
+        compute = yield from pipe.forward(1, kv, rid, i, kind="decode")
         out.append(seq.ar_token())
         yield from pipe.send_back(1, rid, i)
         kv += 1

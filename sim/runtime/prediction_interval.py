@@ -53,7 +53,7 @@ def resample_traces(traces: list[RequestTrace], rng: random.Random) -> list[Requ
 PARALLEL_FROM_S = 6.0  # sequential seconds above which the resamples use every core (~2 s to start)
 
 
-def _simulate(exp: ExperimentConfig, requests: list[Any], resampled: list[list[RequestTrace]],
+def _simulate(exp: ExperimentConfig, requests: list[Any], resampled: list[list[RequestTrace]], *,
               cost: Any, baseline_requests: Any) -> list[dict[str, float | None]]:
     """The METRICS of one prediction per resampled trace (same seed, prompts and cost model)."""
     from sim.runtime.simulate import simulate
@@ -97,7 +97,7 @@ def prediction_interval(exp: ExperimentConfig, requests: list[Any], recorder: An
     rng = random.Random(exp.seed)
     resampled = [resample_traces(traces, rng) for _ in range(exp.sim.prediction_resamples)]
     t0 = time.perf_counter()
-    results = _simulate(exp, requests, resampled[:1], cost, baseline_requests)
+    results = _simulate(exp, requests, resampled[:1], cost=cost, baseline_requests=baseline_requests)
     rest = resampled[1:]
     workers = min(len(rest), parallel_workers((time.perf_counter() - t0) * len(rest)))
     if workers > 1:
@@ -106,10 +106,10 @@ def prediction_interval(exp: ExperimentConfig, requests: list[Any], recorder: An
         size = -(-len(rest) // workers)  # contiguous chunks, one per worker, results in order
         chunks = [rest[i:i + size] for i in range(0, len(rest), size)]
         for part in Parallel(n_jobs=workers, backend="loky")(
-                delayed(_simulate)(exp, requests, c, cost, baseline_requests) for c in chunks):
+                delayed(_simulate)(exp, requests, c, cost=cost, baseline_requests=baseline_requests) for c in chunks):
             results += part
     else:
-        results += _simulate(exp, requests, rest, cost, baseline_requests)
+        results += _simulate(exp, requests, rest, cost=cost, baseline_requests=baseline_requests)
     out: dict[str, Any] = {"prediction_resamples": exp.sim.prediction_resamples}
     for m in METRICS:
         values = [r[m] for r in results if r[m] is not None]

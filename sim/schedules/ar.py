@@ -25,7 +25,7 @@ def ar(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     rid = req.request_id
     t0 = env.now
     yield env.timeout(cost.prefill("target", req.prompt_len))
-    rec.span("target", "prefill", t0, env.now, rid)
+    rec.span("target", "prefill", t0, env.now, request_id=rid)
     prefill_s = env.now - t0
     start = env.now
     kv = req.prompt_len - 1  # the last prompt token is fed by the first decode forward
@@ -40,7 +40,7 @@ def ar(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         kv += 1
         rec.round(request_id=rid, round_idx=i, start_s=s, end_s=s + dt, drafted=0, checked=0,
                   accepted=0, emitted=1, verified_tokens=1, draft_s=0.0, target_s=dt)
-        rec.span("target", "decode", s, s + dt, rid, i)
+        rec.span("target", "decode", s, s + dt, request_id=rid, round_idx=i)
     ids = out if ctx.oracle.produces_ids else []
     rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=req.prompt_len,
         output_ids=ids, generated=len(out), prefill_s=prefill_s, decode_s=env.now - start,

@@ -123,7 +123,7 @@ class Side:
         return self.env.now
 
 
-def target_worker(side: Side, req: SimRequest, toks: Any, start: float, out: list[int],
+def target_worker(side: Side, req: SimRequest, toks: Any, start: float, *, out: list[int],
                   finished: dict[str, float]) -> Generator[Any, Any, None]:
     """SwiftSpec Algorithm 1, target side, for one request: verify each subtree the draft
     sends, send back the emitted tokens; records the rounds."""
@@ -136,7 +136,7 @@ def target_worker(side: Side, req: SimRequest, toks: Any, start: float, out: lis
             s0 = env.now
             dt = side.cost.tree_forward("target", len(batch), seq_len - 1)
             yield env.timeout(dt)
-        rec.span("target", "verify", s0, env.now, rid, r)
+        rec.span("target", "verify", s0, env.now, request_id=rid, round_idx=r)
         res = toks.verify(batch, keys)
         emitted = min(len(res.tokens), n_max - generated)
         out.extend(res.tokens[:emitted])
@@ -172,7 +172,7 @@ def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: 
             yield hold
             s0 = env.now
             yield env.timeout(dt)
-        rec.span("draft", "expand", s0, env.now, rid, r)
+        rec.span("draft", "expand", s0, env.now, request_id=rid, round_idx=r)
         return dt
 
     def bookkeeping(kind: str, dt: float, r: int) -> Generator[Any, Any, None]:
@@ -182,7 +182,7 @@ def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: 
             yield hold
             s0 = env.now
             yield env.timeout(dt)
-        rec.span("draft", kind, s0, env.now, rid, r)
+        rec.span("draft", kind, s0, env.now, request_id=rid, round_idx=r)
 
     select_s, reroot_s = side.cost.tree_round_bookkeeping(drafter.width)
     vocab, sampled = side.vocab, side.sampled
@@ -246,8 +246,8 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     t0 = env.now
     pf_target, pf_draft = cost.prefill("target", req.prompt_len), cost.prefill("draft", req.prompt_len)
     yield env.timeout(max(pf_target, pf_draft))
-    rec.span("target", "prefill", t0, t0 + pf_target, rid)
-    rec.span("draft", "prefill", t0, t0 + pf_draft, rid)
+    rec.span("target", "prefill", t0, t0 + pf_target, request_id=rid)
+    rec.span("draft", "prefill", t0, t0 + pf_draft, request_id=rid)
     prefill_s = env.now - t0
     start = env.now
     target_inbox, draft_inbox = simpy.Store(env), simpy.Store(env)
@@ -257,7 +257,7 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
                       vocab=ctx.exp.pair.target.vocab, sampled=ctx.exp.sampling.temperature > 0)
     out: list[int] = []
     finished: dict[str, float] = {}
-    target = env.process(target_worker(target_side, req, drafter.toks, start, out, finished))
+    target = env.process(target_worker(target_side, req, drafter.toks, start, out=out, finished=finished))
     yield from draft_worker(draft_side, req, drafter, depth)
     yield target
     ids = out if ctx.oracle.produces_ids else []

@@ -61,8 +61,9 @@ def adaptive_round(seq: SequenceOracle, gamma: int, tau: float, lambdas: tuple[f
         ps.append(p)
         qs.append(q)
     ps.append(lm.dists((ctx_tokens + guesses)[-2:])[0])
+    lambda1, lambda2, lambda3 = lambdas
     res = dsd_verify(torch.stack(ps), torch.stack(qs), torch.tensor(guesses, dtype=torch.long),
-                     tau, *lambdas, generator=gen)
+                     tau, lambda1=lambda1, lambda2=lambda2, lambda3=lambda3, generator=gen)
     seq.tokens.extend(res.step.tokens)
     return ChainOutcome(res.step.accepted, res.step.tokens, res.step.ratios), res.key
 
@@ -109,8 +110,8 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
     t_start = env.now
     pf_draft = cost.prefill("draft", req.prompt_len)  # the draft shares node 0's GPUs
     yield env.timeout(pf_draft)
-    rec.span("draft", "prefill", t_start, env.now, rid)
-    yield from pipe.forward(req.prompt_len, 0, rid, -1, "prefill")
+    rec.span("draft", "prefill", t_start, env.now, request_id=rid)
+    yield from pipe.forward(req.prompt_len, 0, rid, -1, kind="prefill")
     prefill_s = env.now - t_start
     start = env.now
     seq_len = req.prompt_len
@@ -126,9 +127,9 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
         t_round = env.now
         draft_s = cost.draft_chain(pending, gamma, seq_len)
         yield timeout(draft_s)
-        rec.span("draft", "draft", t_round, env.now, rid, r)
+        rec.span("draft", "draft", t_round, env.now, request_id=rid, round_idx=r)
         q_bytes = draft_dists_bytes(gamma, vocab=exp.pair.target.vocab, topk=s.draft_topk) if sends_q else 0
-        target_s = yield from pipe.forward(gamma + 1, seq_len - 1, rid, r, "verify", q_bytes)
+        target_s = yield from pipe.forward(gamma + 1, seq_len - 1, rid, r, kind="verify", dists_bytes=q_bytes)
         if s.adaptive and isinstance(seq, SyntheticSequence):  # a trace replays the rule's outcomes
             outcome, key = adaptive_round(seq, gamma, s.tau, lambdas)
             acc["key"] += sum(key)

@@ -29,8 +29,8 @@ def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     pf_target = cost.prefill("target", req.prompt_len)
     pf_draft = cost.prefill("draft", req.prompt_len)
     yield env.timeout(pf_target + pf_draft)
-    rec.span("target", "prefill", t0, t0 + pf_target, rid)
-    rec.span("draft", "prefill", t0 + pf_target, env.now, rid)
+    rec.span("target", "prefill", t0, t0 + pf_target, request_id=rid)
+    rec.span("draft", "prefill", t0 + pf_target, env.now, request_id=rid)
     prefill_s = env.now - t0
     start = env.now
     seq_len = req.prompt_len  # tokens in the sequence; the target has seq_len-1 of them cached
@@ -62,8 +62,8 @@ def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         rec.round(request_id=rid, round_idx=r, start_s=s, end_s=env.now, drafted=k,
                   checked=n + (n < k), accepted=n, emitted=emitted, verified_tokens=k + 1,
                   draft_s=draft_s, target_s=target_s)
-        rec.span("draft", "draft", s, s + draft_s, rid, r)
-        rec.span("target", "verify", s + draft_s, env.now, rid, r)
+        rec.span("draft", "draft", s, s + draft_s, request_id=rid, round_idx=r)
+        rec.span("target", "verify", s + draft_s, env.now, request_id=rid, round_idx=r)
         r += 1
     rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=req.prompt_len,
         output_ids=out, generated=generated, prefill_s=prefill_s, decode_s=env.now - start, rounds=r))

@@ -32,8 +32,8 @@ def sync_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     pf_target = cost.prefill("target", req.prompt_len)
     pf_draft = cost.prefill("draft", req.prompt_len)
     yield env.timeout(pf_target + pf_draft)
-    rec.span("target", "prefill", t0, t0 + pf_target, rid)
-    rec.span("draft", "prefill", t0 + pf_target, env.now, rid)
+    rec.span("target", "prefill", t0, t0 + pf_target, request_id=rid)
+    rec.span("draft", "prefill", t0 + pf_target, env.now, request_id=rid)
     prefill_s = env.now - t0
     start = env.now
     seq_len = req.prompt_len
@@ -62,13 +62,13 @@ def sync_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         rec.round(request_id=rid, round_idx=r, start_s=t_round, end_s=env.now,
                   drafted=len(batch) - 1, checked=res.checked, accepted=res.accepted,
                   emitted=emitted, verified_tokens=len(batch), draft_s=draft_s, target_s=target_s)
-        rec.span("draft", "draft", t_round, t_round + draft_s, rid, r)
-        rec.span("target", "verify", t_round + draft_s, env.now, rid, r)
+        rec.span("draft", "draft", t_round, t_round + draft_s, request_id=rid, round_idx=r)
+        rec.span("target", "verify", t_round + draft_s, env.now, request_id=rid, round_idx=r)
         drafter.advance(res.tokens)
         if reroot_s > 0.0:  # between rounds: in the request's decode time, in no round's
             t = env.now
             yield env.timeout(reroot_s)
-            rec.span("draft", "reroot", t, env.now, rid, r)
+            rec.span("draft", "reroot", t, env.now, request_id=rid, round_idx=r)
         r += 1
     ids = out if ctx.oracle.produces_ids else []
     rec.request(RequestRecord(request_id=rid, prompt_id=req.prompt_id, prompt_len=req.prompt_len,

@@ -108,6 +108,7 @@ def dsd_verify(
     q: torch.Tensor,
     draft_tokens: torch.Tensor,
     tau: float,
+    *,
     lambda1: float,
     lambda2: float,
     lambda3: float,

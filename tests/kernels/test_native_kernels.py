@@ -148,7 +148,7 @@ def test_fused_path_is_taken_and_leaves_input_alone() -> None:
     before = h.clone()
     pos = torch.tensor([0])
     cos, sin = model.rope_cos[pos], model.rope_sin_signed[pos]
-    out = native.decode_layers(model, 0, ARGS.n_layers, h, cos, sin, pos, None, 1)
+    out = native.decode_layers(model, 0, ARGS.n_layers, h, cos=cos, sin=sin, pos=pos, mask=None, kv_len=1)
     assert out is not None and out.shape == h.shape
     assert torch.equal(h, before)
     # a registered replacement op must run: the fused default steps aside

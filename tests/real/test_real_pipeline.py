@@ -193,7 +193,9 @@ def _verify(p_row: list[float], q_row: list[float], guess: int, tau: float, seed
     from testbed.spec.dsd import dsd_verify
 
     p = standardize(logits, v.params)
-    ratio = dsd_verify(p, q, torch.tensor([guess]), tau, *v.lambdas).step.ratios[0]
+    lambda1, lambda2, lambda3 = v.lambdas
+    ratio = dsd_verify(p, q, torch.tensor([guess]), tau, lambda1=lambda1, lambda2=lambda2,
+                       lambda3=lambda3).step.ratios[0]
     return ratio, v(logits, msg)
 
 

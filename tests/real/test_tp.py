@@ -106,8 +106,8 @@ def _reference_and_sharded(rank: int, world: int, out: Path, backend: str) -> No
     fused = []  # decode_layers calls that ran the native kernel (did not step aside)
     default_fused = kernels.get("decode_layers")
 
-    def counting(*a):
-        h = default_fused(*a)
+    def counting(*a, **kw):
+        h = default_fused(*a, **kw)
         fused.append(h is not None)
         return h
 
@@ -153,7 +153,7 @@ def test_fused_path_steps_aside_without_allreduce() -> None:
     pos = torch.tensor([0])
     cos, sin = model.rope_cos[pos], model.rope_sin_signed[pos]
     with torch.inference_mode():
-        assert native.decode_layers(model, 0, 3, h, cos, sin, pos, None, 1) is None
+        assert native.decode_layers(model, 0, 3, h, cos=cos, sin=sin, pos=pos, mask=None, kv_len=1) is None
 
         class NoNative:
             rank, world = 1, 2
@@ -162,7 +162,7 @@ def test_fused_path_steps_aside_without_allreduce() -> None:
                 return None
 
         model.tp_allreduce = NoNative()
-        assert native.decode_layers(model, 0, 3, h, cos, sin, pos, None, 1) is None
+        assert native.decode_layers(model, 0, 3, h, cos=cos, sin=sin, pos=pos, mask=None, kv_len=1) is None
 
 
 def test_uneven_head_split() -> None:

@@ -101,7 +101,7 @@ def test_tau_zero_is_exactly_algorithm1():
         state = gen.get_state()
         ref = speculative_step(p, q, draft_tokens=tokens, generator=gen)
         gen.set_state(state)
-        got = dsd_verify(p, q, tokens, 0.0, 1.5, 0.3, 0.5, topk=3, generator=gen)
+        got = dsd_verify(p, q, tokens, 0.0, lambda1=1.5, lambda2=0.3, lambda3=0.5, topk=3, generator=gen)
         assert (got.step.accepted, got.step.tokens) == (ref.accepted, ref.tokens)
         assert got.step.ratios == ref.ratios
         assert got.key_fraction == sum(got.key) / 4
@@ -149,5 +149,6 @@ def test_relaxation_lengthens_accepted_spans():
 
 def test_empty_draft():
     p = torch.tensor([[0.0, 1.0]])
-    out = dsd_verify(p, torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), 0.3, 1.5, 0.3, 0.5)
+    out = dsd_verify(p, torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), 0.3,
+                     lambda1=1.5, lambda2=0.3, lambda3=0.5)
     assert out.step.tokens == [1] and out.key == [] and out.key_fraction == 0.0
