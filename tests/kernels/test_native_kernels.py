@@ -172,10 +172,10 @@ def test_layer_runs_split_into_calls_give_the_same_bits(dtype: torch.dtype, t: i
     cos, sin = model.rope_cos[pos], model.rope_sin_signed[pos]
     mask = torch.arange(4 + t)[None, :] <= pos[:, None]
     with torch.inference_mode():
-        whole = native.decode_layers(model, 0, ARGS.n_layers, h, cos, sin, pos, mask, 4 + t)
+        whole = native.decode_layers(model, 0, ARGS.n_layers, h, cos=cos, sin=sin, pos=pos, mask=mask, kv_len=4 + t)
         parts = h
         for lo in range(ARGS.n_layers):
-            parts = native.decode_layers(model, lo, lo + 1, parts, cos, sin, pos, mask, 4 + t)
+            parts = native.decode_layers(model, lo, lo + 1, parts, cos=cos, sin=sin, pos=pos, mask=mask, kv_len=4 + t)
     assert whole is not None and parts is not None
     assert torch.equal(whole, parts)
 
