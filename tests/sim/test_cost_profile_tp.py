@@ -39,6 +39,8 @@ def profile_with_tp() -> dict:
     prof["models"]["smollm2_135m"]["tp"] = TABLES
     prof["models"]["smollm2_draft"] = {**prof["models"]["smollm2_exit10"], "kind": "transformer",
                                        "tp": TABLES}
+    # every draft available here is in a current profile: the shipped eagle head too
+    prof["models"]["smollm2_eagle"] = {**prof["models"]["smollm2_exit10"], "kind": "eagle", "tp": TABLES}
     return prof
 
 
