@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from real.model.eagle import EagleDraft
+from real.model.tree_tokens import expansion_inputs
 from testbed.spec.sampling import SamplingParams, standardize
 from testbed.spec.tree import DraftTree
 from testbed.spec.tree_drafter import DraftSource
@@ -61,18 +62,12 @@ class EagleTreeTokens(DraftSource):
         if head.body.max_seq < width:
             raise RuntimeError(f"eagle: the tree needs {width} KV slots of the head, it has "
                                f"{head.body.max_seq}")
-        mask = torch.zeros(len(pend) + len(nodes), width, dtype=torch.bool)
-        for row, pos in enumerate(pend):
-            mask[row, 1: pos + 1] = True
-        mask[len(pend):] = tree.expansion_mask(nodes)
-        mask[:, 0] = False  # slot 0: no pair
-        pend_t = torch.tensor(pend, dtype=torch.long)
+        input_pos, mask, position_ids = expansion_inputs(tree, pend, nodes, first_slot=1)  # slot 0: no pair
         tokens = torch.tensor([[self._history[p] for p in pend] + [tree.tokens[n] for n in nodes]],
                               device=target.device)
         feats = torch.stack([d.features[p - 1] for p in pend] + [self._parent_feature(tree, n) for n in nodes])
         u = head.inputs(target, tokens, feats[None])
-        h = head.body.forward_layers(u, torch.cat([pend_t, torch.arange(prefix + slots, width)]), mask,
-                                     position_ids=torch.cat([pend_t, tree.positions(nodes)]))
+        h = head.body.forward_layers(u, input_pos, mask, position_ids=position_ids)
         leaves = h[0, len(pend):]
         if self.slot_features.shape[0] < slots + len(nodes):
             grown = torch.zeros(2 * (slots + len(nodes)), leaves.shape[-1], dtype=leaves.dtype, device=leaves.device)

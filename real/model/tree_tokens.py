@@ -87,6 +87,22 @@ def checked_count(batch: TreeBatch, accepted_nodes: list[int]) -> int:
     return len(accepted_nodes) + (1 if batch.children[stop] else 0)
 
 
+def expansion_inputs(tree: DraftTree, pending: list[int], nodes: list[int], *, first_slot: int = 0,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cache slots, mask, RoPE positions) of a draft forward over the ``pending`` prefix positions
+    (each sees the prefix up to itself) and then the leaves ``nodes`` (tree.expansion_mask);
+    slots below ``first_slot`` are never attended."""
+    prefix, slots = tree.prefix_len, tree.n_slots
+    mask = torch.zeros(len(pending) + len(nodes), prefix + slots + len(nodes), dtype=torch.bool)
+    for row, pos in enumerate(pending):
+        mask[row, : pos + 1] = True
+    mask[len(pending):] = tree.expansion_mask(nodes)
+    mask[:, :first_slot] = False
+    pend_t = torch.tensor(pending, dtype=torch.long)
+    new_slots = torch.arange(prefix + slots, prefix + slots + len(nodes))
+    return torch.cat([pend_t, new_slots]), mask, torch.cat([pend_t, tree.positions(nodes)])
+
+
 class DraftTreeTokens(DraftSource):
     """The draft side of one request, the ``DraftSource`` of testbed's ``TreeDrafter``:
     distributions from the draft model, its KV cache kept in step with the tree (expansions,
@@ -106,18 +122,11 @@ class DraftTreeTokens(DraftSource):
     def draft_dists(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
         """One draft forward over the pending prefix tokens and the leaves ``nodes``;
         returns q after each leaf [len(nodes), V] (the ranking at temperature 0)."""
-        prefix, slots, pend = tree.prefix_len, tree.n_slots, self.pending
-        width = prefix + slots + len(nodes)
-        mask = torch.zeros(len(pend) + len(nodes), width, dtype=torch.bool)
-        for row, pos in enumerate(pend):
-            mask[row, : pos + 1] = True
-        mask[len(pend):] = tree.expansion_mask(nodes)
-        new_slots = torch.arange(prefix + slots, prefix + slots + len(nodes))
-        pend_t = torch.tensor(pend, dtype=torch.long)
+        pend = self.pending
+        input_pos, mask, position_ids = expansion_inputs(tree, pend, nodes)
         logits = self.model.logits(
             [self._history[p] for p in pend] + [tree.tokens[n] for n in nodes],
-            input_pos=torch.cat([pend_t, new_slots]), mask=mask,
-            position_ids=torch.cat([pend_t, tree.positions(nodes)]))[len(pend):]
+            input_pos=input_pos, mask=mask, position_ids=position_ids)[len(pend):]
         self.pending = []
         self.forwards += 1
         if self.params.greedy:  # rank by the softmax at temperature 1 (module docstring)

@@ -60,23 +60,28 @@ def _copy_target() -> Transformer:
     return target
 
 
-@pytest.mark.parametrize("overrides", [("schedule.gamma=1",), ("schedule.gamma=4",),
-                                       ("backend=real", "schedule.gamma=4", "lookahead=confidence"),
-                                       ("backend=real", "schedule.gamma=5", "lookahead=heuristic")])
-def test_sync_with_an_eagle_head_equals_ar_at_temperature_0(overrides) -> None:  # type: ignore[no-untyped-def]
-    exp = compose_exp(*overrides)
+def _eagle_run_and_ar(exp, serve) -> tuple[list[list[int]], list[list[int]], object]:  # type: ignore[no-untyped-def]
+    """(the eagle head's outputs with ``serve``, ``ar``'s, the run's rounds) on a tiny target."""
     params = SamplingParams()
     target = tiny(0)
     reqs = _requests()
     ar = _serve(_ctx(exp, target, None, params), serve_ar, reqs)
+    target.setup_cache(64)
     draft = EagleDraft(EagleHead(target.args).init_random(2), target, params, "eagle")
     ctx = _ctx(exp, target, draft, params)
     try:
-        out = _serve(ctx, serve_sync, reqs)
+        out = _serve(ctx, serve, reqs)
     finally:
         target.keep_hidden = False
+    return out, ar, ctx.rec.frames()[0]
+
+
+@pytest.mark.parametrize("overrides", [("schedule.gamma=1",), ("schedule.gamma=4",),
+                                       ("backend=real", "schedule.gamma=4", "lookahead=confidence"),
+                                       ("backend=real", "schedule.gamma=5", "lookahead=heuristic")])
+def test_sync_with_an_eagle_head_equals_ar_at_temperature_0(overrides) -> None:  # type: ignore[no-untyped-def]
+    out, ar, rounds = _eagle_run_and_ar(compose_exp(*overrides), serve_sync)
     assert out == ar and all(len(o) == 20 for o in out)
-    rounds = ctx.rec.frames()[0]
     assert (rounds.accepted <= rounds.drafted).all() and (rounds.drafted >= 1).all()
 
 
@@ -86,19 +91,8 @@ def test_the_serial_tree_with_an_eagle_head_equals_ar_at_temperature_0(overrides
     from real.schedules.sync_tree import serve_sync_tree
 
     exp = compose_exp("backend=real", "schedule.tree=true", *overrides)
-    params = SamplingParams()
-    target = tiny(0)
-    reqs = _requests()
-    ar = _serve(_ctx(exp, target, None, params), serve_ar, reqs)
-    target.setup_cache(64)
-    draft = EagleDraft(EagleHead(target.args).init_random(2), target, params, "eagle")
-    ctx = _ctx(exp, target, draft, params)
-    try:
-        out = _serve(ctx, serve_sync_tree, reqs)
-    finally:
-        target.keep_hidden = False
+    out, ar, rounds = _eagle_run_and_ar(exp, serve_sync_tree)
     assert out == ar and all(len(o) == 20 for o in out)
-    rounds = ctx.rec.frames()[0]
     assert (rounds.accepted <= rounds.drafted).all() and (rounds.verified_tokens > 1).all()
 
 
