@@ -18,7 +18,10 @@ vector-extension path.
 
 Packed weights: ``packed(weight)`` keeps one packed copy per weight tensor (weakly keyed, checked
 against the tensor's storage pointer and version counter, so in-place updates repack), i.e. the
-weights the native path uses take their size once more in memory.
+weights the native path uses take their size once more in memory. They are carved out of arenas
+backed by 2 MB transparent huge pages where the kernel offers them (``_panel_arena``): a forward
+streams every panel once, and with 4 KB pages that stream crosses a page, i.e. a TLB miss and a
+stop of the hardware prefetchers, every 4 KB (benchmarks/bench_hugepages.py measures both).
 
 Build: ``$CXX`` (else g++/c++) ``-O3 -march=native -fopenmp``, cached under
 ``$XDG_CACHE_HOME/specbed`` (default ``~/.cache/specbed``) by a hash of the source, flags,
@@ -167,6 +170,48 @@ def _version(t: Tensor) -> int:
         return -1
 
 
+HUGE_PAGE = 2 << 20
+ARENA_BYTES = 256 << 20  # panels of one model share few arenas; a bigger weight gets its own
+_MADV_HUGEPAGE = 14  # linux/mman.h
+HUGE_PAGES = platform.system() == "Linux"  # benchmarks/bench_hugepages.py switches it off to compare
+_arena: list = []  # [the arena being filled (uint8), bytes used]; filled arenas live while their panels do
+
+
+def _advise_huge(buf: Tensor) -> int:
+    """madvise(MADV_HUGEPAGE) over the 2 MB-aligned interior of ``buf`` before it is touched (the
+    pages are then faulted in as huge pages); returns the offset of that interior, -1 if refused."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        start = (buf.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+        length = (buf.data_ptr() + buf.numel() - start) // HUGE_PAGE * HUGE_PAGE
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if length <= 0 or libc.madvise(start, length, _MADV_HUGEPAGE) != 0:
+            return -1  # THP disabled ("never") or not this kernel: 4 KB pages, as torch.empty gives
+        return start - buf.data_ptr()
+    except (OSError, AttributeError):
+        return -1
+
+
+def _panel_arena(numel: int, dtype: torch.dtype) -> Tensor:
+    """An uninitialised 1-D tensor for packed panels, 64-byte aligned, from a huge-page arena."""
+    if not HUGE_PAGES:
+        return torch.empty(numel, dtype=dtype)
+    nbytes = -(-numel * torch.empty((), dtype=dtype).element_size() // 64) * 64
+    if nbytes > ARENA_BYTES // 4:  # a large weight (the LM head): an arena of its own
+        buf = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+        off = _advise_huge(buf)
+        off = max(off, (-buf.data_ptr()) % 64)
+        return buf[off:off + nbytes].view(dtype)[:numel]
+    if not _arena or _arena[1] + nbytes > _arena[0].numel():
+        buf = torch.empty(ARENA_BYTES + HUGE_PAGE, dtype=torch.uint8)
+        off = _advise_huge(buf)
+        off = max(off, (-buf.data_ptr()) % 64)
+        _arena[:] = [buf[off:off + ARENA_BYTES], 0]
+    out = _arena[0][_arena[1]:_arena[1] + nbytes].view(dtype)[:numel]
+    _arena[1] += nbytes
+    return out
+
+
 def packed(weight: Tensor, paired: bool = False) -> Tensor:
     """``weight [N, K]`` in native.cpp's panel layout (``paired``: SwiGLU's [gate; up] rows),
     packed once and kept while the weight lives and is unchanged."""
@@ -177,7 +222,7 @@ def packed(weight: Tensor, paired: bool = False) -> Tensor:
         return hit[3]
     n, k = weight.shape
     code = _CODES[weight.dtype]
-    out = torch.empty(int(_LIB.sb_packed_elems(code, int(paired), n, k)), dtype=weight.dtype)
+    out = _panel_arena(int(_LIB.sb_packed_elems(code, int(paired), n, k)), weight.dtype)
     src = weight.detach().contiguous()
     if _LIB.sb_pack(code, int(paired), src.data_ptr(), n, k, out.data_ptr()):
         raise ValueError(f"cannot pack a [{n}, {k}] weight{' as SwiGLU pairs' if paired else ''}")

@@ -90,6 +90,21 @@ def test_packed_copy_follows_in_place_updates() -> None:
     torch.testing.assert_close(native.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("huge", [True, False])
+def test_packed_panels_from_arenas_are_aligned_and_disjoint(huge: bool, monkeypatch) -> None:
+    # panels share huge-page arenas: each must be 64-byte aligned (the kernels' vector loads) and
+    # none may overlap another, whatever the sizes (a large one gets an arena of its own)
+    monkeypatch.setattr(native, "HUGE_PAGES", huge)
+    monkeypatch.setattr(native, "ARENA_BYTES", 1 << 20)
+    monkeypatch.setattr(native, "_arena", [])
+    shapes = [(21, 33), (8, 8), (300, 257), (1, 5), (40, 64)]
+    weights = [torch.randn(n, k, generator=gen(i)) for i, (n, k) in enumerate(shapes)]
+    packs = [native.packed(w) for w in weights]
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in packs)
+    assert all(p.data_ptr() % 64 == 0 for p in packs)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    x = torch.randn(3, 257, generator=gen(7))
+    torch.testing.assert_close(native.linear(x, weights[2]), F.linear(x, weights[2]), atol=1e-4, rtol=1e-4)
 def run_both(model: Transformer, steps) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run ``steps`` (callables of the model) op by op and fused, from the same empty cache."""
     outs = []
