@@ -11,7 +11,7 @@ check in the default run. A README command without an entry fails ``test_readme_
 line saying to add one, so a new or changed command cannot go untested; an entry whose command
 left the README fails ``test_every_smoke_entry_is_a_readme_command``. Placeholders: ``DIR`` in
 ``hydra.run.dir=DIR`` / ``hydra.sweep.dir=DIR`` is a temporary directory, ``DIR...`` of
-``testbed.report`` a run directory written first by the shrunk default command. Every output
+``testbed.report`` (and of its ``chrome_trace``) a run directory written first by the shrunk default command. Every output
 goes to a temporary directory; the one command that writes into the checkout (``+calibrate``:
 reports/profiles/local.json) has that file restored afterwards.
 """
@@ -71,7 +71,7 @@ REAL_SWEEP = ("workload.num_prompts=2", "workload.max_new_tokens=4", "sim.profil
 class Smoke:
     """``args``: appended to the command ({tmp}, {profile} substituted); ``kind``: what it must
     write — run (a run directory), real (+ telemetry), sweep (a sweep directory and its job
-    runs), report, stdout, calibrate, train, eval; ``files``: more files of its output
+    runs), report, trace (chrome_trace: trace.json in the run), stdout, calibrate, train, eval; ``files``: more files of its output
     directory; ``stdout``: text its output must contain; ``slow``: over ~20 s shrunk, or a path
     the default run takes elsewhere; ``precheck``: (slow ones) its pre-run check runs by default."""
 
@@ -132,6 +132,7 @@ SMOKE: dict[str, Smoke] = {
                   "workload=humaneval", "sampling.temperature=0.0", "schedule.gamma=2", *REAL_SWEEP),
         files=("lookahead.csv",), slow=True, timeout=1800),
     "python -m testbed.report DIR...": Smoke("report"),
+    "python -m testbed.report.chrome_trace DIR...": Smoke("trace"),
     "python -m testbed --help": Smoke("stdout", stdout="schedule.gamma"),
     "python -m testbed +sweep=wan hydra/launcher=joblib": Smoke("sweep", WAN, slow=True, precheck=True),
     # run twice into the same DIR: the second run skips both finished jobs
@@ -296,6 +297,8 @@ def test_readme_command(cmd: str, tmp_path: Path, profile: str) -> None:
         assert _missing(out, smoke.files) == [], cmd
     elif smoke.kind == "report":
         assert _missing(Path(subs["run"]), ("report.md", "report.html")) == [], cmd
+    elif smoke.kind == "trace":
+        assert _missing(Path(subs["run"]), ("trace.json",)) == [], cmd
     elif smoke.kind == "train":
         assert _missing(tmp_path / "draft", smoke.files) == [], cmd
     elif smoke.kind == "eval":
