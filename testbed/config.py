@@ -206,6 +206,26 @@ class WorkloadConfig:
     # sandboxed subprocess (testbed/humaneval_exec.py); off by default: it runs untrusted code
     exec_tests: bool = doc(False, "humaneval + backend=real: run the problems' tests on the "
                            "generated code (sandboxed) for pass@1")
+    # load (testbed/arrivals.py): today's one request at a time is a closed loop of one client
+    arrival: str = doc("closed", "how requests arrive: closed (workload.concurrency clients, each "
+                       "sends its next prompt when its last is done) | poisson (workload.rate) | "
+                       "trace (workload.trace_path)")
+    concurrency: int = doc(1, "arrival=closed: clients, i.e. requests in flight", "requests")
+    rate: float = doc(0.0, "arrival=poisson: mean arrival rate", "requests/s")
+    trace_path: str = doc("", "arrival=trace: CSV or parquet, one row per request: arrival_s, "
+                          "prompt_tokens, output_tokens (sorted by arrival_s)")
+
+
+@dataclass
+class ServingConfig:
+    max_batch: int = doc(0, "load: requests served in one batched round at most (the rest wait, "
+                         "first come first served); 0 = no limit", "requests")
+    kv_budget_tokens: int = doc(0, "load: KV-cache slots for the running requests, each holding "
+                                "prompt + max new tokens + γ + 1 from admission; 0 = no limit", "tokens")
+    slo_ttft_ms: float = doc(0.0, "load: goodput counts requests whose time to first token is at most "
+                             "this; 0 = no bound", "ms")
+    slo_tpot_ms: float = doc(0.0, "load: goodput counts requests whose time per output token is at "
+                             "most this; 0 = no bound", "ms")
 
 
 @dataclass
@@ -252,6 +272,7 @@ class ExperimentConfig:
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     real: RealConfig = field(default_factory=RealConfig)
     report: ReportConfig = field(default_factory=ReportConfig)

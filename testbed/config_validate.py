@@ -14,7 +14,8 @@ from testbed.config import (
     ModelConfig,
     workload_names,
 )
-from testbed.schedules import SINGLE, TREE, TWO_GROUPS, schedule_names, spec_of, unsupported
+from testbed.arrivals import ARRIVALS, TraceError, read_trace, under_load
+from testbed.schedules import SINGLE, TREE, TWO_GROUPS, names_where, schedule_names, spec_of, unsupported
 from testbed.spec.lookahead import LOOKAHEADS
 
 
@@ -98,6 +99,38 @@ def _validate_lookahead(exp: ExperimentConfig) -> None:
             load_classifier(str(resolve_path(la.path)), exp.pair.target.name if exp.backend == "real" else "")
         except ClassifierError as e:
             raise ConfigError("lookahead.path", la.path, str(e)) from None
+
+
+def _validate_load(exp: ExperimentConfig) -> None:
+    """workload.arrival and its settings, serving.*, and who can serve under load."""
+    w, sv = exp.workload, exp.serving
+    _choice("workload.arrival", w.arrival, ARRIVALS)
+    _int_range("workload.concurrency", w.concurrency, 1, 100_000)
+    if w.arrival == "poisson":
+        _float_range("workload.rate", w.rate, lo=0.0, lo_open=True)
+    if w.arrival == "trace":
+        try:
+            read_trace(w.trace_path)
+        except TraceError as e:
+            raise ConfigError("workload.trace_path", w.trace_path, str(e)) from None
+    _int_range("serving.max_batch", sv.max_batch, 0)
+    _int_range("serving.kv_budget_tokens", sv.kv_budget_tokens, 0)
+    _float_range("serving.slo_ttft_ms", sv.slo_ttft_ms, lo=0.0)
+    _float_range("serving.slo_tpot_ms", sv.slo_tpot_ms, lo=0.0)
+    if not under_load(w):
+        return
+    spec = spec_of(exp)
+    load = f"workload.arrival={w.arrival}" + (f" with workload.concurrency={w.concurrency}" if w.arrival == "closed" else "")
+    if not spec.batches:
+        serving = " or ".join(f"schedule={n}" for n in names_where(lambda s: s.batches))
+        raise ConfigError("schedule", spec.name, f"{serving} under load ({load}): only they serve "
+                          "batched rounds so far; or serve one request at a time (workload.concurrency=1)")
+    if exp.backend != "sim":
+        raise ConfigError("backend", exp.backend, f"sim under load ({load}): the real backend serves one "
+                          "request at a time so far (workload.arrival=closed workload.concurrency=1)")
+    if exp.placement.nodes > 1:
+        raise ConfigError("placement.nodes", exp.placement.nodes, f"1 under load ({load}): a pipeline "
+                          "over nodes serves one request at a time")
 
 
 def validate(exp: ExperimentConfig) -> ExperimentConfig:
@@ -189,6 +222,7 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _int_range("workload.max_new_tokens", w.max_new_tokens, 1, 1_000_000)
     _int_range("workload.prompt_len", w.prompt_len, 1, 10_000_000)
     _choice("workload.split", w.split, ("all", "calibrate", "holdout", "trace", "test"))
+    _validate_load(exp)
 
     sp = exp.sampling
     _float_range("sampling.temperature", sp.temperature, lo=0.0, hi=100.0)

@@ -119,3 +119,55 @@ def divergence(outputs: list[list[int]], reference: list[list[int]]) -> dict[str
     same = sum(o == r for o, r in zip(outputs, reference))
     firsts = [first_divergence(o, r) for o, r in zip(outputs, reference)]
     return {"identical_share": same / len(outputs), "first_divergence_mean": sum(firsts) / len(firsts)}
+
+
+def _pcts(prefix: str, values: pd.Series) -> dict[str, float | None]:
+    v = values.dropna()
+    if v.empty:
+        return {f"{prefix}_{k}": None for k in ("mean", "p50", "p90", "p99")}
+    return {f"{prefix}_mean": _clean(float(v.mean())), f"{prefix}_p50": _clean(float(v.quantile(0.5))),
+            f"{prefix}_p90": _clean(float(v.quantile(0.9))), f"{prefix}_p99": _clean(float(v.quantile(0.99)))}
+
+
+def system_throughput(requests: pd.DataFrame) -> float:
+    """Output tokens per second of the whole system: every token over the span from the first
+    arrival to the last answer."""
+    span = float(requests["finish_s"].max() - requests["arrival_s"].min()) if len(requests) else 0.0
+    return float(requests["generated"].sum()) / span if span > 0 else float("nan")
+
+
+def load_metrics(requests: pd.DataFrame, timeline: pd.DataFrame, *, slo_ttft_ms: float, slo_tpot_ms: float,
+                 baseline_requests: pd.DataFrame | None = None) -> dict[str, Any]:
+    """What serving under load is judged by (runs under testbed/arrivals.py's load): TTFT, TPOT
+    (after the first token) and end-to-end latency per request (mean, P50, P90, P99), the
+    queueing delay, the system's throughput and goodput (requests per second meeting both SLOs;
+    a bound of 0 is no bound), the time-weighted mean batch of the target's forwards, and the
+    throughput against `ar` at the same load."""
+    q = requests
+    ttft = 1e3 * (q["first_token_s"] - q["arrival_s"])
+    tpot = 1e3 * (q["finish_s"] - q["first_token_s"]) / (q["generated"] - 1).where(q["generated"] > 1)
+    e2e = 1e3 * (q["finish_s"] - q["arrival_s"])
+    ok = pd.Series(True, index=q.index)
+    if slo_ttft_ms > 0:
+        ok &= ttft <= slo_ttft_ms
+    if slo_tpot_ms > 0:
+        ok &= tpot.fillna(0.0) <= slo_tpot_ms
+    span = float(q["finish_s"].max() - q["arrival_s"].min()) if len(q) else 0.0
+    target = timeline[(timeline["resource"] == "target") & timeline["kind"].isin(["decode", "verify"])] \
+        if len(timeline) else timeline
+    dur = (target["end_s"] - target["start_s"]) if len(target) else pd.Series(dtype=float)
+    mean_batch = float((dur * target["batch"]).sum() / dur.sum()) if len(target) and dur.sum() > 0 else float("nan")
+    tps = system_throughput(q)
+    base = system_throughput(baseline_requests) if baseline_requests is not None and len(baseline_requests) \
+        else float("nan")
+    return {
+        "throughput_tok_s": _clean(tps),
+        "ar_throughput_tok_s": _clean(base),
+        "load_speedup": _clean(tps / base) if base == base and base > 0 else None,
+        **_pcts("ttft_ms", ttft), **_pcts("tpot_ms", tpot), **_pcts("e2e_ms", e2e),
+        "queue_ms_mean": _clean(float(1e3 * q["queue_s"].mean())) if len(q) else None,
+        "queue_ms_p90": _clean(float(1e3 * q["queue_s"].quantile(0.9))) if len(q) else None,
+        "goodput_req_s": _clean(float(ok.sum()) / span) if span > 0 else None,
+        "slo_attainment": _clean(float(ok.mean())) if len(q) else None,
+        "mean_batch": _clean(mean_batch),
+    }

@@ -18,9 +18,11 @@ ROUND_COLUMNS = [
 ]
 REQUEST_COLUMNS = [
     "request_id", "prompt_id", "prompt_len", "generated", "prefill_s", "decode_s", "rounds",
-    "tokens_per_s", "output_ids",
+    "tokens_per_s", "output_ids", "arrival_s", "queue_s", "first_token_s", "finish_s",
 ]
-TIMELINE_COLUMNS = ["resource", "kind", "start_s", "end_s", "request_id", "round"]
+# batch: the requests one span served (a batched round under load; 1 otherwise)
+TIMELINE_COLUMNS = ["resource", "kind", "start_s", "end_s", "request_id", "round", "batch"]
+NAN = float("nan")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,12 @@ class RequestRecord:
     prefill_s: float
     decode_s: float  # from the first decode step to the last token
     rounds: int  # verifications (or AR forwards)
+    # under load (testbed/arrivals.py), on the run's clock: when it arrived, how long it waited
+    # for admission, when its first and last tokens were out; NaN when served one at a time
+    arrival_s: float = NAN
+    queue_s: float = NAN
+    first_token_s: float = NAN
+    finish_s: float = NAN
 
 
 @dataclass
@@ -56,9 +64,9 @@ class RunRecorder:
                             emitted, verified_tokens, draft_s, target_s))
 
     def span(self, resource: str, kind: str, start_s: float, end_s: float, *,
-             request_id: int = -1, round_idx: int = -1) -> None:
+             request_id: int = -1, round_idx: int = -1, batch: int = 1) -> None:
         if self.keep_spans:
-            self.spans.append((resource, kind, start_s, end_s, request_id, round_idx))
+            self.spans.append((resource, kind, start_s, end_s, request_id, round_idx, batch))
 
     def request(self, r: RequestRecord) -> None:
         self.requests.append({
@@ -67,6 +75,8 @@ class RunRecorder:
             "rounds": r.rounds,
             "tokens_per_s": r.generated / r.decode_s if r.decode_s > 0 else float("nan"),
             "output_ids": list(r.output_ids),
+            "arrival_s": r.arrival_s, "queue_s": r.queue_s, "first_token_s": r.first_token_s,
+            "finish_s": r.finish_s,
         })
 
     def frames(self) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:

@@ -20,7 +20,8 @@ import pandas as pd
 import yaml
 
 from testbed.config import ExperimentConfig, as_dict
-from testbed.metrics import experiment_key, summarize, tree_shape
+from testbed.arrivals import under_load
+from testbed.metrics import experiment_key, load_metrics, summarize, tree_shape
 from testbed.recorder import RunResult
 from testbed.schedules import spec_of
 
@@ -58,12 +59,15 @@ def write_parquet(path: Path, df: pd.DataFrame) -> None:
 
 
 def build_summary(exp: ExperimentConfig, result: RunResult) -> dict[str, Any]:
-    rounds, requests, _ = result.recorder.frames()
+    rounds, requests, timeline = result.recorder.frames()
     base = result.baseline.frames()[1] if result.baseline is not None else None
     if not spec_of(exp).drafts:  # the baseline itself
         base = requests
     summary = experiment_key(exp)
     summary.update(summarize(rounds, requests, exp.schedule.gamma, base))
+    if under_load(exp.workload):  # testbed/arrivals.py: latency percentiles, goodput, batch
+        summary.update(load_metrics(requests, timeline, slo_ttft_ms=exp.serving.slo_ttft_ms,
+                                    slo_tpot_ms=exp.serving.slo_tpot_ms, baseline_requests=base))
     summary.update({k: v for k, v in result.extra.items() if k not in SIDE_FILES})
     summary["tree_shape"] = tree_shape(summary)
     return summary

@@ -20,6 +20,8 @@ variant (``sync_tree`` is ``sync`` with ``schedule.tree=true``). Each implementa
 - ``concurrent``: its groups run at the same time (the profile cost model's contention; a tree's
   depth chosen from both groups' forward times);
 - ``tree``: it verifies token trees (``schedule.tree_*``, the tree's KV slots);
+- ``batches``: it serves many requests in batched rounds under load (``workload.arrival``,
+  ``workload.concurrency``, ``serving.*``: testbed/arrivals.py);
 - ``timeline``, ``color``, ``label``: the report's Gantt charts, colour and run label;
 - ``modules``: the module implementing it per backend (``BACKEND/schedules/FILE.py`` for the
   built-in ones): a backend runs exactly the implementations that name it.
@@ -70,6 +72,7 @@ class ScheduleSpec:
     replays: tuple[str, ...] = ()
     trace_from: str | None = None
     concurrent: bool = False
+    batches: bool = False
     timeline: bool = False
     color: str = "#666666"
     label: str = "{schedule}"  # str.format fields: schedule, target_gpus, draft_gpus, nodes
@@ -144,13 +147,14 @@ _TREES = frozenset({"schedule.gamma", "schedule.tree_*"})  # trees: γ is the de
 # unused setting names).
 register(ScheduleSpec(
     "ar", SINGLE, "the target emits one token per forward (the baseline of every speedup)",
-    drafts=False, reads=frozenset({"placement.nodes", "network"}), ar_baseline=None,
+    drafts=False, reads=frozenset({"placement.nodes", "network"}), ar_baseline=None, batches=True,
     replays=("sync", "sync_tree", "async", "decentralized"), trace_from="sync",
     color="#999999", modules=_here("ar")))
 register(ScheduleSpec(
     "sync", SINGLE, "the draft proposes γ tokens, the target verifies them in one forward "
     "(Leviathan et al. 2023, Algorithm 1)",
-    reads=_DRAFTING, replays=("sync",), trace_from="sync", color="#0072B2", modules=_here("sync")))
+    reads=_DRAFTING, replays=("sync",), trace_from="sync", batches=True, color="#0072B2",
+    modules=_here("sync")))
 register(ScheduleSpec(
     "sync_tree", TREE, "a draft token tree verified serially, draft and target sharing all "
     "devices (SwiftSpec-base)",

@@ -126,8 +126,9 @@ def test_the_readme_settings_are_in_the_full_table() -> None:
 
 
 def test_the_rename_keeps_finished_sweep_jobs_done() -> None:
-    """A job's hash is what it was under network.bandwidth_gbps (GB/s): resuming a sweep finished
-    before the rename skips its jobs instead of running them all again."""
+    """A job's hash is what it was under network.bandwidth_gbps (GB/s) and before the load
+    settings (workload.arrival …, serving.*) existed: resuming a sweep finished before either
+    change skips its jobs instead of running them all again."""
     import hashlib
     import json
 
@@ -136,5 +137,8 @@ def test_the_rename_keeps_finished_sweep_jobs_done() -> None:
     exp = compose_exp("schedule=decentralized", "network=wan", "placement.nodes=2")
     old = as_dict(normalized(exp))
     old["network"] = {"name": "wan", "latency_ms": 20.0, "bandwidth_gbps": 0.125, "jitter_ms": 2.0}
+    del old["serving"]
+    for key in ("arrival", "concurrency", "rate", "trace_path"):
+        del old["workload"][key]
     blob = json.dumps(old, sort_keys=True, default=str)
     assert experiment_hash(exp) == hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -13,7 +13,7 @@ architecture and the hardware datasheet), profile (tables measured by the real b
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,6 +49,19 @@ class CostModel(ABC):
         t = self.forward("draft", pending, seq_len - pending)
         for i in range(1, forwards):
             t += self.forward("draft", 1, seq_len + i - 1)
+        return t
+
+    def batch_forward(self, role: Role, rows: Sequence[tuple[int, int]]) -> float:
+        """Seconds for one forward over several requests at once (continuous batching): ``rows``
+        holds each request's (tokens, cached context). The weights are streamed once for all
+        rows — the forward of the rows' total tokens over no context — and each request adds its
+        own attention over its own cache: its forward's growth from no context to its context.
+        One row is exactly ``forward``."""
+        if len(rows) == 1:
+            return self.forward(role, rows[0][0], rows[0][1])
+        t = self.forward(role, sum(k for k, _ in rows), 0)
+        for tokens, context in rows:
+            t += self.forward(role, tokens, context) - self.forward(role, tokens, 0)
         return t
 
     def tree_forward(self, role: Role, tokens: int, context: int, alone: bool = False) -> float:

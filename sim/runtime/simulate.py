@@ -13,6 +13,7 @@ from sim.cost.base import CostModel, make_cost_model
 from sim.oracle.base import TokenOracle, make_oracle
 from sim.runtime.context import SimContext, SimRequest
 from sim.schedules import get_schedule
+from testbed.arrivals import read_trace, under_load
 from testbed.config import ExperimentConfig
 from testbed.recorder import RunRecorder
 from testbed.schedules import ALL_DEVICES, BASELINE, SAME_PIPELINE, schedule_impl, spec_of
@@ -45,16 +46,23 @@ def prompt_lengths(exp: ExperimentConfig) -> tuple[list[str], list[int]]:
 
 
 def make_requests(exp: ExperimentConfig) -> list[SimRequest]:
+    """The run's requests: the prompt set's, or under ``workload.arrival=trace`` one per trace
+    row with the row's prompt and output lengths (the prompt set's ids, cycled)."""
     ids, lengths = prompt_lengths(exp)
+    if exp.workload.arrival == "trace":
+        rows = read_trace(exp.workload.trace_path)
+        return [SimRequest(i, ids[i % len(ids)], row.prompt_tokens, row.output_tokens)
+                for i, row in enumerate(rows)]
     return [SimRequest(i, pid, n, exp.workload.max_new_tokens) for i, (pid, n) in enumerate(zip(ids, lengths))]
 
 
 def simulate(exp: ExperimentConfig, requests: list[SimRequest], *, seed: int,
              keep_spans: bool = True, extra: dict | None = None, oracle: TokenOracle | None = None,
-             cost: CostModel | None = None) -> RunRecorder:
+             cost: CostModel | None = None, batched: bool | None = None) -> RunRecorder:
     """Run the schedule over the requests; schedules' summary fields go into `extra`. `oracle`,
     `cost`: to use instead of the experiment's (sim/runtime/prediction_interval.py reuses one cost
-    model over many resampled oracles)."""
+    model over many resampled oracles). ``batched``: serve through sim/runtime/batching.py
+    (default: when the workload puts the run under load)."""
     env = simpy.Environment()
     rec = RunRecorder(keep_spans=keep_spans)
     ctx = SimContext(exp=exp, env=env, cost=cost if cost is not None else make_cost_model(exp),
@@ -65,7 +73,13 @@ def simulate(exp: ExperimentConfig, requests: list[SimRequest], *, seed: int,
         for req in requests:
             yield env.process(schedule(ctx, req))
 
-    env.process(serve_all())
+    if under_load(exp.workload) if batched is None else batched:
+        from sim.runtime.batching import arrival_times, refuse_oversized, serve
+
+        refuse_oversized(exp, requests)
+        env.process(serve(ctx, requests, arrivals=arrival_times(ctx, len(requests))))
+    else:
+        env.process(serve_all())
     env.run()
     if exp.sim.profile_drift != "none":  # how much slower the machine is now than profiled
         ctx.extra["profile_drift_factor"] = round(getattr(ctx.cost, "drift", 1.0), 4)

@@ -27,6 +27,7 @@ from testbed.config import (
     SimConfig,
     as_dict,
 )
+from testbed.arrivals import under_load
 from testbed.schedules import PIPELINE, names_where, spec, spec_of
 
 HASH_FILE = "experiment_hash"
@@ -111,6 +112,20 @@ def unused_settings(exp: ExperimentConfig) -> dict[str, str]:
     if not (exp.workload.name == "humaneval" and exp.backend == "real"):
         out["workload.exec_tests"] = ("workload=humaneval with backend=real (executes the generated "
                                       "code; the simulator generates none)")
+    w = exp.workload
+    if w.arrival != "closed":
+        out["workload.concurrency"] = "workload.arrival=closed (the clients of a closed loop)"
+    if w.arrival != "poisson":
+        out["workload.rate"] = "workload.arrival=poisson"
+    if w.arrival != "trace":
+        out["workload.trace_path"] = "workload.arrival=trace"
+    else:  # the trace has a row per request with its output length
+        out["workload.num_prompts"] = "workload.arrival=closed or poisson (a trace has a row per request)"
+        out["workload.max_new_tokens"] = ("workload.arrival=closed or poisson (a trace gives each "
+                                          "request's output_tokens)")
+    if not under_load(w):
+        out["serving"] = ("load: workload.concurrency > 1, or workload.arrival=poisson or trace "
+                          "(one request at a time has no batch, no queue and no SLO)")
     return out
 
 
@@ -155,5 +170,10 @@ def experiment_hash(exp: ExperimentConfig) -> str:
     # hashed under its former name and unit (GB/s), so that the runs of sweeps finished before
     # network.bandwidth_gbit_s was renamed still count as done when the sweep is resumed
     d["network"]["bandwidth_gbps"] = d["network"].pop("bandwidth_gbit_s") / 8
+    # one request at a time hashes as before the load settings existed (finished sweeps resume)
+    if not under_load(exp.workload):
+        d.pop("serving")
+        for key in ("arrival", "concurrency", "rate", "trace_path"):
+            d["workload"].pop(key)
     blob = json.dumps(d, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

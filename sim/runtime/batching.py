@@ -1,0 +1,244 @@
+"""Serving under load in the simulator: arrivals, admission and continuous batching.
+
+Requests arrive as ``workload.arrival`` says (testbed/arrivals.py) and wait in one first-come,
+first-served queue. Between rounds (iteration-level scheduling, as vLLM and SGLang do) the
+server admits waiting requests while the batch holds fewer than ``serving.max_batch`` and their
+KV reservations fit ``serving.kv_budget_tokens``; a request reserves its prompt, its
+``max_new_tokens`` and one verification window (γ + 1) at admission and frees them when done,
+so admission alone keeps the cache within its budget. Newly admitted requests are prefilled
+first (one after the other, the batch waiting), then one round serves every running request:
+
+- ``ar``: one target forward over every request's next token;
+- ``sync``: each request's policy picks its γ (``testbed.spec.lookahead``: per request, so a
+  policy may pick by the batch), the draft runs its chain as batched steps (step j serves every
+  request drafting a j-th token), then one target forward verifies every request's window.
+
+Forwards over several requests cost ``CostModel.batch_forward`` (the weights streamed once, each
+request's attention over its own cache). Acceptance is each request's own oracle sequence, as
+when served alone. One closed-loop client (``workload.concurrency=1``) makes every round a batch
+of one and reproduces the one-request-at-a-time schedules' times exactly.
+
+Recorded per request: arrival, queueing delay, first and last token (requests.parquet); per
+round and request a rounds.parquet row (the batch's draft and target times); per batched
+forward a timeline span with the batch size (timeline.parquet's ``batch``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+from sim.runtime.context import SimContext, SimRequest
+from testbed.arrivals import poisson_times
+from testbed.config import ConfigError
+from testbed.recorder import RequestRecord
+from testbed.schedules import spec_of
+from testbed.spec.lookahead import lookahead_for
+
+
+@dataclass
+class Active:
+    """One admitted request's state between rounds."""
+
+    req: SimRequest
+    arrival_s: float
+    admit_s: float
+    seq: Any  # its oracle sequence (sim.oracle.base)
+    policy: Any = None  # sync: its lookahead policy
+    seq_len: int = 0  # tokens in the sequence (the target has seq_len - 1 cached)
+    pending: int = 1  # sync: tokens the draft feeds before its first guess
+    prefill_s: float = 0.0
+    start_s: float = -1.0  # its first decode round's start
+    first_token_s: float = float("nan")
+    rounds: int = 0
+    generated: int = 0
+    out: list[int] = field(default_factory=list)  # the tokens, where the oracle has them
+
+    @property
+    def done(self) -> bool:
+        return self.generated >= self.req.max_new_tokens
+
+
+def kv_need(req: SimRequest, window: int) -> int:
+    """KV slots a request reserves from admission: its prompt, its output, one window."""
+    return req.prompt_len + req.max_new_tokens + window
+
+
+def window_of(exp: Any) -> int:
+    """The verification window a request reserves KV slots for (γ + 1; `ar`: its one token)."""
+    return exp.schedule.gamma + 1 if spec_of(exp).drafts else 1
+
+
+def refuse_oversized(exp: Any, requests: list[SimRequest]) -> None:
+    """A request whose reservation exceeds ``serving.kv_budget_tokens`` could never be admitted:
+    one ``ConfigError`` naming it, before anything runs (SimPy would re-raise it without text)."""
+    budget, window = exp.serving.kv_budget_tokens, window_of(exp)
+    for req in requests:
+        if budget and kv_need(req, window) > budget:
+            raise ConfigError("serving.kv_budget_tokens", budget, f"at least {kv_need(req, window)}: request "
+                              f"{req.request_id} ({req.prompt_id}) needs its prompt ({req.prompt_len}) + "
+                              f"max new tokens ({req.max_new_tokens}) + one window ({window}) of KV slots")
+
+
+def serve(ctx: SimContext, requests: list[SimRequest], *, arrivals: list[float] | None = None,
+          ) -> Generator[Any, Any, None]:
+    """The server: admit, prefill, one batched round; until every request is answered.
+    ``arrivals``: each request's arrival time (poisson, trace), else a closed loop."""
+    env, exp, rec = ctx.env, ctx.exp, ctx.rec
+    drafts, window = spec_of(exp).drafts, window_of(exp)
+    budget, max_batch = exp.serving.kv_budget_tokens, exp.serving.max_batch
+    waiting: deque[tuple[SimRequest, float]] = deque()
+    wake: list[Any] = [None]  # the event an idle server waits on
+
+    def arrive(req: SimRequest) -> None:
+        waiting.append((req, env.now))
+        if wake[0] is not None and not wake[0].triggered:
+            wake[0].succeed()
+
+    unsent = deque(requests)
+    if arrivals is None:  # closed loop: each client sends its next prompt when its last is done
+        for _ in range(min(exp.workload.concurrency, len(unsent))):
+            arrive(unsent.popleft())
+    else:
+        def timed() -> Generator[Any, Any, None]:
+            for req, t in zip(requests, arrivals):
+                if t > env.now:
+                    yield env.timeout(t - env.now)
+                arrive(req)
+        env.process(timed())
+    running: list[Active] = []
+    kv_used, finished, r = 0, 0, 0
+    while finished < len(requests):
+        if not running and not waiting:
+            wake[0] = env.event()
+            yield wake[0]
+        admitted = []
+        while waiting and (not max_batch or len(running) + len(admitted) < max_batch) \
+                and (not budget or kv_used + kv_need(waiting[0][0], window) <= budget):
+            req, t = waiting.popleft()
+            kv_used += kv_need(req, window)
+            a = Active(req, arrival_s=t, admit_s=env.now, seq=ctx.oracle.sequence(req.request_id, req.prompt_len),
+                       policy=lookahead_for(exp) if drafts else None, seq_len=req.prompt_len)
+            admitted.append(a)
+        if admitted:
+            yield from _prefill(ctx, admitted, drafts=drafts)
+            running.extend(admitted)
+        if not running:
+            continue
+        if drafts:
+            yield from _sync_round(ctx, running, r)
+        else:
+            yield from _ar_round(ctx, running, r)
+        r += 1
+        for a in [a for a in running if a.done]:
+            running.remove(a)
+            kv_used -= kv_need(a.req, window)
+            finished += 1
+            _record(ctx, a)
+            if arrivals is None and unsent:
+                arrive(unsent.popleft())
+
+
+def _prefill(ctx: SimContext, admitted: list[Active], *, drafts: bool) -> Generator[Any, Any, None]:
+    env, cost, rec = ctx.env, ctx.cost, ctx.rec
+    for a in admitted:  # one after the other: a prefill is a large forward of its own
+        t0 = env.now
+        pf_target = cost.prefill("target", a.req.prompt_len)
+        pf_draft = cost.prefill("draft", a.req.prompt_len) if drafts else 0.0
+        yield env.timeout(pf_target + pf_draft)
+        rid = a.req.request_id
+        rec.span("target", "prefill", t0, t0 + pf_target, request_id=rid)
+        if drafts:
+            rec.span("draft", "prefill", t0 + pf_target, env.now, request_id=rid)
+        a.prefill_s = env.now - t0
+
+
+def _ar_round(ctx: SimContext, running: list[Active], r: int) -> Generator[Any, Any, None]:
+    env, rec = ctx.env, ctx.rec
+    s = env.now
+    dt = ctx.cost.batch_forward("target", [(1, a.seq_len - 1) for a in running])
+    yield env.timeout(dt)
+    for a in running:
+        a.start_s = s if a.start_s < 0 else a.start_s
+        a.out.append(a.seq.ar_token())
+        a.generated += 1
+        a.seq_len += 1
+        rec.round(request_id=a.req.request_id, round_idx=a.rounds, start_s=s, end_s=env.now, drafted=0,
+                  checked=0, accepted=0, emitted=1, verified_tokens=1, draft_s=0.0, target_s=dt)
+        _first_token(a, env.now)
+    rec.span("target", "decode", s, env.now, request_id=_one(running), round_idx=r, batch=len(running))
+
+
+def _sync_round(ctx: SimContext, running: list[Active], r: int) -> Generator[Any, Any, None]:
+    env, cost, rec = ctx.env, ctx.cost, ctx.rec
+    s = env.now
+    plans = []
+    for a in running:  # the oracle decides first (it does not depend on time), as in sync
+        gamma = a.policy.next_gamma()
+        outcome = a.seq.chain_round(gamma, a.policy)
+        k = gamma if outcome.proposed is None else outcome.proposed
+        plans.append((a, gamma, outcome, k, k + outcome.dropped))
+    if len(running) == 1:
+        a, _, _, k, fw = plans[0]
+        draft_s = cost.draft_chain(a.pending, fw, a.seq_len)
+    else:  # step j: one draft forward over every request still drafting
+        draft_s = 0.0
+        for j in range(max(p[4] for p in plans)):
+            rows = [(a.pending, a.seq_len - a.pending) if j == 0 else (1, a.seq_len + j - 1)
+                    for a, _, _, _, fw in plans if fw > j]
+            draft_s += cost.batch_forward("draft", rows)
+    target_s = cost.batch_forward("target", [(k + 1, a.seq_len - 1) for a, _, _, k, _ in plans])
+    yield env.timeout(draft_s + target_s)
+    ngram = ctx.exp.pair.draft.kind == "ngram"
+    for a, _, outcome, k, fw in plans:
+        a.start_s = s if a.start_s < 0 else a.start_s
+        n = outcome.accepted
+        emitted = min(n + 1, a.req.max_new_tokens - a.generated)
+        a.out.extend(outcome.tokens[:emitted])
+        a.generated += emitted
+        a.seq_len += n + 1
+        a.pending = 2 if k and n == k and not outcome.dropped else 1
+        a.policy.observe(k, n)
+        rec.round(request_id=a.req.request_id, round_idx=a.rounds, start_s=s, end_s=env.now, drafted=k,
+                  checked=n + (n < k), accepted=n, emitted=emitted, verified_tokens=k + 1,
+                  draft_s=draft_s, target_s=target_s)
+        _first_token(a, env.now)
+        ctx.extra["draft_forwards"] = ctx.extra.get("draft_forwards", 0) + (0 if ngram else fw)
+    rec.span("draft", "draft", s, s + draft_s, request_id=_one(running), round_idx=r, batch=len(running))
+    rec.span("target", "verify", s + draft_s, env.now, request_id=_one(running), round_idx=r, batch=len(running))
+
+
+def _one(running: list[Active]) -> int:
+    """A span's request: the one served, or -1 for a batch of several."""
+    return running[0].req.request_id if len(running) == 1 else -1
+
+
+def _first_token(a: Active, now: float) -> None:
+    a.rounds += 1
+    if a.rounds == 1:
+        a.first_token_s = now
+
+
+def _record(ctx: SimContext, a: Active) -> None:
+    q = a.req
+    # as the one-at-a-time schedules: sync keeps its tokens, ar only an oracle's real ids
+    ids = a.out if a.policy is not None or ctx.oracle.produces_ids else []
+    ctx.rec.request(RequestRecord(
+        request_id=q.request_id, prompt_id=q.prompt_id, prompt_len=q.prompt_len, output_ids=ids,
+        generated=a.generated, prefill_s=a.prefill_s, decode_s=ctx.env.now - a.start_s, rounds=a.rounds,
+        arrival_s=a.arrival_s, queue_s=a.admit_s - a.arrival_s, first_token_s=a.first_token_s,
+        finish_s=ctx.env.now))
+
+
+def arrival_times(ctx: SimContext, n: int) -> list[float] | None:
+    """Each request's arrival (poisson: from the run's seed), None for a closed loop."""
+    w = ctx.exp.workload
+    if w.arrival == "poisson":
+        return poisson_times(n, w.rate, ctx.exp.seed)
+    if w.arrival == "trace":
+        from testbed.arrivals import read_trace
+
+        return [row.arrival_s for row in read_trace(w.trace_path)][:n]
+    return None
