@@ -4,6 +4,7 @@ the dataclasses); a bad one raises ``ConfigError`` naming the key, the value and
 from __future__ import annotations
 
 from testbed import backends
+from testbed.arrivals import ARRIVALS, TraceError, read_trace, under_load
 from testbed.config import (
     MLPS,
     MODEL_KINDS,
@@ -14,8 +15,15 @@ from testbed.config import (
     ModelConfig,
     workload_names,
 )
-from testbed.arrivals import ARRIVALS, TraceError, read_trace, under_load
-from testbed.schedules import SINGLE, TREE, TWO_GROUPS, names_where, schedule_names, spec_of, unsupported
+from testbed.schedules import (
+    SINGLE,
+    TREE,
+    TWO_GROUPS,
+    names_where,
+    schedule_names,
+    spec_of,
+    unsupported,
+)
 from testbed.spec.lookahead import LOOKAHEADS
 
 

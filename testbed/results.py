@@ -19,8 +19,8 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from testbed.config import ExperimentConfig, as_dict
 from testbed.arrivals import under_load
+from testbed.config import ExperimentConfig, as_dict
 from testbed.metrics import experiment_key, load_metrics, summarize, tree_shape
 from testbed.recorder import RunResult
 from testbed.schedules import spec_of

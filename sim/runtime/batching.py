@@ -86,7 +86,7 @@ def serve(ctx: SimContext, requests: list[SimRequest], *, arrivals: list[float] 
           ) -> Generator[Any, Any, None]:
     """The server: admit, prefill, one batched round; until every request is answered.
     ``arrivals``: each request's arrival time (poisson, trace), else a closed loop."""
-    env, exp, rec = ctx.env, ctx.exp, ctx.rec
+    env, exp = ctx.env, ctx.exp
     drafts, window = spec_of(exp).drafts, window_of(exp)
     budget, max_batch = exp.serving.kv_budget_tokens, exp.serving.max_batch
     waiting: deque[tuple[SimRequest, float]] = deque()

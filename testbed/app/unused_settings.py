@@ -17,6 +17,7 @@ import hashlib
 import json
 from dataclasses import fields
 
+from testbed.arrivals import under_load
 from testbed.config import (
     AcceptanceConfig,
     ExperimentConfig,
@@ -27,7 +28,6 @@ from testbed.config import (
     SimConfig,
     as_dict,
 )
-from testbed.arrivals import under_load
 from testbed.schedules import PIPELINE, names_where, spec, spec_of
 
 HASH_FILE = "experiment_hash"
