@@ -74,10 +74,11 @@ def _validate_eagle(exp: ExperimentConfig) -> None:
             raise ConfigError(f"pair.draft.{k}", v, f"the target's {k}={shape(t)[k]} (an eagle head is one "
                               "layer of its target's width; choose the head trained for this target)")
     _int_range("pair.draft.layers", d.layers, 1, 1)
-    if exp.backend == "real" and spec.layout not in (SINGLE, TREE):  # beside the target it reads
+    if exp.backend == "real" and spec.layout not in (SINGLE, TREE, TWO_GROUPS):  # it reads the target's features
         raise ConfigError("pair.draft.kind", d.kind, f"a model draft with schedule={exp.schedule.name} "
-                          "on backend=real: the eagle head drafts in this process, beside the target "
-                          "whose features it reads (schedule=sync, its trees and lookahead policies)")
+                          "on backend=real: the eagle head drafts beside the target whose features it "
+                          "reads, or in a draft group the target sends them to (schedule=sync, its "
+                          "trees and lookahead policies, schedule=async)")
 
 
 def _validate_lookahead(exp: ExperimentConfig) -> None:
@@ -187,6 +188,9 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError("placement.draft_gpus", pl.draft_gpus,
                           f"at most {n - pl.target_gpus}: {s.name} puts draft and target on disjoint GPUs "
                           f"and placement.target_gpus={pl.target_gpus} of {n} are taken")
+    if spec.layout == TWO_GROUPS and d.kind == "eagle" and exp.backend == "real" and pl.draft_gpus > 1:
+        raise ConfigError("placement.draft_gpus", pl.draft_gpus, f"1 with an eagle draft and schedule={s.name} "
+                          "on backend=real (the head, one layer, runs unsharded in the draft group's one process)")
     if spec.layout == TWO_GROUPS and d.kind == "early_exit":
         raise ConfigError("pair.draft.kind", d.kind, f"transformer or ngram with schedule={s.name} "
                           f"(an early-exit draft runs on the target's GPUs, {s.name} needs its own)")

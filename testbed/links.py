@@ -134,7 +134,7 @@ TREE_TIMES_BYTES = 16  # two float64: the draft's seconds since the last subtree
 
 def subtree_message_bytes(batch: Any, *, vocab: int, sampled: bool) -> int:
     """A subtree (testbed.spec.tree.TreeBatch) as the async draft sends it to the target
-    (real/schedules/async_tree.pack_batch): a row per node, the two times, and when ``sampled``
+    (real/runtime/async_messages.pack_batch): a row per node, the two times, and when ``sampled``
     (temperature > 0) the draft's q (fp32 over the ``vocab``) at every node with children in
     the batch — what the target's lossless multi-candidate rule needs. At T = 1 on a 49k
     vocabulary that is ~0.8 MB for a batch of 8, against ~0.1 kB of rows. (The simulator's

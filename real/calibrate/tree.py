@@ -119,7 +119,7 @@ def time_bookkeeping(model: Any, vocab: int, params: SamplingParams, *, leaves: 
     compaction on the two tokens of the tree's top path. ``source(history, generator)`` makes
     the draft source (default: ``model``'s DraftTreeTokens)."""
     from real.model.tree_tokens import DraftTreeTokens
-    from real.schedules.async_tree import pack_batch
+    from real.runtime.async_messages import pack_batch
     from testbed.spec.tree_drafter import TreeDrafter
 
     gen = torch.Generator().manual_seed(1)

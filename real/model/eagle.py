@@ -150,13 +150,17 @@ class EagleDraft(_ForwardDraft):
                                self.features.shape[1], dtype=self.features.dtype, device=self.features.device)
             self.features = torch.cat([self.features, more])
 
-    def take_target_features(self, start: int, count: int) -> None:
-        """f_start..f_{start+count-1} from the target's last forward (its first ``count`` rows)."""
-        hidden = self.target.last_hidden
-        if hidden is None or hidden.shape[1] < count:
+    def take_target_features(self, start: int, count: int, features: Tensor | None = None) -> None:
+        """f_start..f_{start+count-1}: the first ``count`` rows of ``features`` (``[rows, dim]``,
+        the target's when it runs in another process: ``schedule=async``), else of the target's
+        last forward."""
+        if features is None:
+            hidden = self.target.last_hidden
+            features = None if hidden is None else hidden[0]
+        if features is None or features.shape[0] < count:
             raise RuntimeError("eagle: the target's last forward kept no hidden states")
         self._grow(start + count)
-        self.features[start: start + count] = hidden[0, :count]
+        self.features[start: start + count] = features[:count].to(self.features.device, self.features.dtype)
         self.known = start + count
 
     @torch.inference_mode()
@@ -172,15 +176,16 @@ class EagleDraft(_ForwardDraft):
         return standardize(self.target.head(f[:, -1:])[0, -1], self.params)
 
     @torch.inference_mode()
-    def start(self, prompt_ids: list[int]) -> None:
-        # the target's prefill fed prompt[:-1]: f_0..f_{n-2}; pair 0 has no feature (slot unused)
+    def start(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
+        # the target's prefill fed prompt[:-1]: f_0..f_{n-2} (its last forward's, or ``features``
+        # ``[n-1, dim]`` sent by a target in another process); pair 0 has no feature (slot unused)
         if self.head.body.max_seq != self.target.max_seq:
             self.head.body.setup_cache(self.target.max_seq)
         self.head.body.truncate(0)
         if len(prompt_ids) < 2:
             raise RealSetupError("an eagle draft needs prompts of at least 2 tokens (it reads the "
                                  "target's feature of the token before the last)")
-        self.take_target_features(0, len(prompt_ids) - 1)
+        self.take_target_features(0, len(prompt_ids) - 1, features)
         self.cached, self._last, self._last_index = 1, None, -1
 
     def commit(self, ids: list[int], accepted: int, proposed: int) -> None:

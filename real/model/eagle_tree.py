@@ -88,7 +88,8 @@ class EagleTreeTokens(DraftSource):
             raise RuntimeError("eagle: the target's verification kept no hidden states")
         start = len(self._history) - 1
         self.draft._grow(start + features.shape[0])
-        self.draft.features[start: start + features.shape[0]] = features
+        feats = self.draft.features  # (a reply of the target group arrives on the link's device)
+        feats[start: start + features.shape[0]] = features.to(feats.device, feats.dtype)
         self.draft.known = start + features.shape[0]
 
     def commit(self, tokens: list[int]) -> None:

@@ -4,7 +4,9 @@
 (testbed.placement: a ``target`` group and a ``draft`` group, TP inside each, the bridge
 between their leaders). Each rank loads its group's model, shards it over its group
 (real.model.tp), and serves the prompts with its half of the schedule
-(real/schedules/async_tree.py: ``target_worker`` or ``draft_worker``).
+(real/schedules/async_tree.py: ``target_worker`` or ``draft_worker``). An eagle head's group
+(one rank) holds the head and the target it reads the embedding, final norm and LM head of
+(``eagle_hooks``); its target group sends it the features (real/runtime/async_messages.py).
 
 ``speedup`` needs ``ar`` on the target's devices: after the async requests the target group
 runs ``ar`` SPMD on its own devices, alone (the draft group waits on the bridge, one message
@@ -25,11 +27,19 @@ from typing import Any
 
 import torch
 
-from real.calibrate.probe_forward import PROBE_TOKENS, RunProbe, model_probe, target_probes
+from real.calibrate.probe_forward import (
+    PROBE_TOKENS,
+    RunProbe,
+    model_probe,
+    role_probes,
+    target_probes,
+)
 from real.errors import RealSetupError
+from real.model.eagle import EagleDraft
+from real.model.eagle_tree import EagleTreeTokens
 from real.model.runners import TargetRunner
 from real.model.tree_tokens import LocalModel
-from real.runtime.context import RealContext
+from real.runtime.context import RealContext, RealRequest
 from real.runtime.layouts import RUNNERS, Runner
 from real.runtime.links import Kind, Message
 from real.runtime.telemetry import Telemetry, run_files
@@ -58,15 +68,28 @@ class AsyncServed:
 
 def check_draft(exp: ExperimentConfig) -> None:
     d = exp.pair.draft
-    if d.kind not in ("transformer", "ngram"):
+    if d.kind not in ("transformer", "ngram", "eagle"):
         raise RealSetupError(f"pair.draft={d.name!r} ({d.kind}) cannot grow a token tree on a device "
                              "group of its own: schedule=async needs a draft model (e.g. "
-                             "pair=smollm2_135m+smollm2_draft, or pair.draft=ngram3); use schedule=sync for this draft")
+                             "pair=smollm2_135m+smollm2_draft, pair=smollm2_135m+smollm2_eagle, or "
+                             "pair.draft=ngram3); use schedule=sync for this draft")
 
 
-def _load(exp: ExperimentConfig, role: str, params: SamplingParams):  # type: ignore[no-untyped-def]
-    """(this group's model — None for the n-gram draft —, the requests, EOS ids, the vocabulary
-    size): both groups tokenize the prompts alike."""
+@dataclass
+class Loaded:
+    """What one group's process loads: its model (None for the n-gram draft and the eagle head,
+    which prefill nothing), the eagle draft, the requests, EOS ids, the vocabulary size, the
+    draft's KV slots (both groups tokenize the prompts alike)."""
+
+    model: Any  # real.model.decoder.Transformer
+    eagle: EagleDraft | None
+    requests: list[RealRequest]
+    eos: frozenset[int]
+    vocab: int
+    draft_slots: int
+
+
+def _load(exp: ExperimentConfig, role: str, params: SamplingParams) -> Loaded:
     from real.model.drafts import ModelDraft
     from real.runtime.engine import cache_slots
     from real.runtime.loading import build_requests, load, make_draft, model_device, prepare_graphs
@@ -77,10 +100,20 @@ def _load(exp: ExperimentConfig, role: str, params: SamplingParams):  # type: ig
     requests = build_requests(exp, tokenizer, target.args.max_seq_len)
     eos = frozenset() if exp.real.ignore_eos else frozenset(tokenizer.eos_token_ids)
     target_slots, draft_slots = cache_slots(exp, requests)
+    loaded = Loaded(None, None, requests, eos, target.args.vocab_size, draft_slots)
     if role == "target":
         model, slots = target, target_slots
     elif exp.pair.draft.kind == "ngram":  # no model: the draft group only looks tokens up
-        return None, requests, eos, target.args.vocab_size
+        return loaded
+    elif exp.pair.draft.kind == "eagle":
+        # The head reads the target's embedding, final norm and LM head (shared, frozen). This
+        # process keeps the whole target loaded above (it loads it for the tokenizer anyway)
+        # rather than those three tensors alone: simpler, at the cost of the target's layers'
+        # memory on the draft's device, where they never run.
+        eagle = make_draft(exp, target, tokenizer, params)
+        assert isinstance(eagle, EagleDraft)
+        loaded.eagle = eagle
+        return loaded
     else:
         draft = make_draft(exp, target, tokenizer, params)
         assert isinstance(draft, ModelDraft)  # check_draft ran in the launcher
@@ -88,7 +121,8 @@ def _load(exp: ExperimentConfig, role: str, params: SamplingParams):  # type: ig
     if model.max_seq < slots:
         model.setup_cache(slots)
     prepare_graphs(exp, model)
-    return model, requests, eos, target.args.vocab_size
+    loaded.model = model
+    return loaded
 
 
 def ngram_source(exp: ExperimentConfig, params: SamplingParams, vocab: int,
@@ -98,6 +132,37 @@ def ngram_source(exp: ExperimentConfig, params: SamplingParams, vocab: int,
         return None
     n, mode = exp.pair.draft.ngram, "topk" if params.greedy else "sample"
     return lambda ids, gen: NgramTreeSource(ids, ngram=n, vocab=vocab, mode=mode, generator=gen)
+
+
+def eagle_hooks(draft: EagleDraft, params: SamplingParams, *, cache_slots: int,
+                ) -> tuple[Callable[[list[int], torch.Generator], DraftSource],
+                           Callable[[list[int], torch.Tensor | None], None]]:
+    """An eagle head's (tree source factory, start) for the draft group's ``Side``: the source
+    is the serial tree's (real.model.eagle_tree) with ``cache_slots`` KV slots of the head; the
+    start takes the target's prompt features, or zeros for the probe's tree."""
+    def source(ids: list[int], generator: torch.Generator) -> DraftSource:
+        return EagleTreeTokens(draft, params, ids, cache_slots=cache_slots, generator=generator)
+
+    def start(ids: list[int], features: torch.Tensor | None) -> None:
+        if features is None:  # an expansion's cost does not depend on the features' values
+            t = draft.target
+            features = torch.zeros(max(0, len(ids) - 1), t.args.dim, dtype=t.dtype, device=t.device)
+        draft.start(ids, features)
+    return source, start
+
+
+def _probes(role: str, model: Any, eagle: EagleDraft | None, params: SamplingParams) -> dict:
+    """This group's probe forwards (RunProbe's fields): the target's; a draft model's one token
+    and a tree expansion's size; the eagle head's one token (as in the serial schedules); none
+    for the n-gram draft."""
+    if eagle is not None:
+        return role_probes(None, eagle, params)
+    if model is None:
+        return {}
+    if role == "target":
+        return target_probes(model, params)
+    return {role: model_probe(model, params),
+            f"{role}_k8": model_probe(model, params, tokens=PROBE_TOKENS, distributions=False)}
 
 
 def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real.runtime.worker.WorkerContext
@@ -113,20 +178,24 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
     peer = Peer(ctx.transport_from(other) if ctx.is_leader else None,
                 ctx.transport_to(other) if ctx.is_leader else None, ctx.broadcast_decision)
     with torch.inference_mode():
-        model, requests, eos, vocab = _load(exp, role, params)
-        if ctx.group.tp > 1 and model is not None:
+        loaded = _load(exp, role, params)
+        model, eagle, requests, eos = loaded.model, loaded.eagle, loaded.requests, loaded.eos
+        if ctx.group.tp > 1 and model is not None:  # (validation refuses an eagle head under TP)
             apply_tp(model, rank=ctx.info.index, world=ctx.group.tp, group=ctx.tp_group(),
                      allreduce=exp.real.allreduce)
         rec = ctx.rec if ctx.is_leader else RunRecorder()
-        fns = {} if model is None else (target_probes(model, params) if role == "target" else  # (RunProbe's fields)
-                                        {role: model_probe(model, params),
-                                         f"{role}_k8": model_probe(model, params, tokens=PROBE_TOKENS,
-                                                                   distributions=False)})
-        probe = RunProbe(fns, group=ctx.tp_group() if ctx.group.tp > 1 else None, requests=len(requests))
+        probe = RunProbe(_probes(role, model, eagle, params),
+                         group=ctx.tp_group() if ctx.group.tp > 1 else None, requests=len(requests))
+        source, start = (eagle_hooks(eagle, params, cache_slots=loaded.draft_slots) if eagle is not None
+                         else (ngram_source(exp, params, loaded.vocab), None))
         side = Side(model, LocalModel(model) if model is not None else None, params, peer, rec,
-                    ctx.now, exp.seed, draft_source=ngram_source(exp, params, vocab), probe=probe)
+                    ctx.now, exp.seed, draft_source=source, probe=probe, start_features=start,
+                    reply_features=role == "target" and exp.pair.draft.kind == "eagle")
         served = AsyncServed(role, [])
         if role == "target":
+            # an eagle head's target keeps its hidden states in every forward of the run, the
+            # probes' too (such forwards run eagerly: a CUDA graph replays logits only)
+            model.keep_hidden = side.reply_features
             telemetry = Telemetry(exp.real.device)
             with telemetry if ctx.is_leader else contextlib.nullcontext():
                 halves.probe_target(side, exp, requests[0])
@@ -135,6 +204,7 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
                     served.outputs.append(halves.target(side, req, eos))
             if ctx.is_leader:
                 served.telemetry, served.telemetry_summary = telemetry.frame(), telemetry.summary()
+            model.keep_hidden = False  # `ar` reads no features (and may then replay CUDA graphs)
             served.baseline = _baseline(exp, model, params=params, requests=requests, eos=eos, peer=peer)
         else:
             depth, t_target, t_draft = halves.probe_draft(side, exp, requests[0])

@@ -36,10 +36,20 @@ the draft's sending it to the target's sending the verified tokens, plus the rep
 time) and the draft's expansion times (spans), medians over the last rounds; the leader's d is
 shared with its group's followers.
 
-Message formats (``real.runtime.links.Message``): ``Kind.TREE`` = int32 rows (token, parent, draw index)
-per batch node, float64 (draft seconds since the last subtree, draft prefill end), and at
-temperature > 0 the draft's q at each batch node with children in the batch; ``Kind.VERIFIED``
-(``Kind.STOP`` for a request's last round) = the emitted tokens (int64).
+Message formats (``real.runtime.links.Message``; packed and checked in real/runtime/async_messages.py):
+``Kind.TREE`` = int32 rows (token, parent, draw index) per batch node, float64 (draft seconds
+since the last subtree, draft prefill end), and at temperature > 0 the draft's q at each batch
+node with children in the batch; ``Kind.VERIFIED`` (``Kind.STOP`` for a request's last round) =
+the emitted tokens (int64), and for a feature-level (eagle) draft the target's last hidden
+states of the old root and the accepted tokens ``[len(tokens), dim]`` (the target's dtype: the
+bytes the simulator charges, ``testbed.links.features_bytes``).
+
+Eagle head (real.model.eagle, real.model.eagle_tree): the draft group holds the head and the
+target's embedding, final norm and LM head it reads; it has no prefill of its own. After its
+prefill the target sends its features of the prompt (``Kind.ACTIVATIONS``, ``[n - 1, dim]``) and
+the draft starts from them (``Side.start_features``): the request's decoding starts once they
+have arrived. Every reply's features go to ``TreeDrafter.advance(tokens, features=)``, which
+feeds the new prefix again with them, as the serial tree does.
 """
 
 from __future__ import annotations
@@ -52,6 +62,15 @@ import torch
 
 from real.model.runners import prefill
 from real.model.tree_tokens import DraftTreeTokens, ForwardModel, TargetTreeTokens
+from real.runtime.async_messages import (
+    StaleTree,
+    pack_batch,
+    prompt_features,
+    prompt_message,
+    reply_message,
+    reply_parts,
+    unpack_batch,
+)
 from real.runtime.context import RealRequest, finish
 from real.runtime.links import Kind, Message, Transport
 from real.schedules import TwoGroups, register
@@ -64,14 +83,9 @@ from testbed.spec.tree_drafter import (
     TreeDrafter,
     TreeKvStats,
 )
-from testbed.spec.tree_io import TreeBatch
 
 PROBE_REPEATS = 15  # per model for d (after one warm-up): 5 swung d by ±3 on this host
 PROBE_TURNS = 5  # ... timed in 5 alternating turns of 3 (probe_draft)
-
-
-class StaleTree(RuntimeError):
-    """A subtree or verified message that does not belong to the round it arrived in."""
 
 
 class Peer:
@@ -110,6 +124,11 @@ class Side:
     # the draft's DraftSource for (committed tokens, generator); None: DraftTreeTokens over
     # ``fwd`` (a model draft). The n-gram draft has no model: ``model`` and ``fwd`` are None.
     draft_source: Callable[[list[int], torch.Generator], DraftSource] | None = None
+    # draft side, an eagle head: its start from the target's prompt features ``[n - 1, dim]``
+    # (None: zeros, for the probe's tree, whose expansions cost the same whatever the values)
+    start_features: Callable[[list[int], torch.Tensor | None], None] | None = None
+    # target side: its replies carry its features (the draft is an eagle head that reads them)
+    reply_features: bool = False
     probe: Any = None  # real.calibrate.probe_forward.RunProbe of this group's model (probe_before_request)
 
     def new_draft_source(self, ids: list[int], generator: torch.Generator) -> DraftSource:
@@ -125,38 +144,6 @@ class Side:
 
 
 TARGET_SALT, DRAFT_SALT = 0, 500_000_017  # independent sampling streams of the two groups
-
-
-# ----------------------------------------------------------------------------- messages
-def pack_batch(batch: TreeBatch, draft_s: float, prefill_end: float) -> tuple[torch.Tensor, ...]:
-    rows = torch.tensor([[t, p, d] for t, p, d in zip(batch.tokens, batch.parents, batch.draw_index)],
-                        dtype=torch.int32)
-    times = torch.tensor([draft_s, prefill_end], dtype=torch.float64)
-    if batch.mode == "topk":
-        return rows, times
-    probs = [batch.draft_probs[i] for i, kids in enumerate(batch.children) if kids]
-    return rows, times, torch.stack(probs).float() if probs else torch.zeros(0, 1)
-
-
-def unpack_batch(msg: Message, mode: str) -> tuple[TreeBatch, float, float]:
-    """(the batch with node ids = batch indices, draft seconds, draft prefill end)."""
-    rows, times = msg.tensors[0].tolist(), msg.tensors[1].tolist()
-    tokens, parents, draws = ([r[i] for r in rows] for i in range(3))
-    depths, children = [0] * len(rows), [[] for _ in rows]
-    for i in range(1, len(rows)):  # parents come before children
-        depths[i] = depths[parents[i]] + 1
-        children[parents[i]].append(i)
-    for kids in children:
-        kids.sort(key=lambda c: draws[c])
-    probs: list[torch.Tensor | None] = [None] * len(rows)
-    if mode == "sample":
-        with_kids = [i for i, kids in enumerate(children) if kids]
-        for i, q in zip(with_kids, msg.tensors[2]):
-            probs[i] = q
-    batch = TreeBatch(node_ids=list(range(len(rows))), tokens=tokens, parents=parents, depths=depths,
-                      children=children, draw_index=draws, draft_probs=probs, mode=mode,  # type: ignore[arg-type]
-                      prefix_len=msg.committed - 1)
-    return batch, times[0], times[1]
 
 
 # --------------------------------------------------------------------------- choose d
@@ -182,6 +169,8 @@ def _expansion_timer(side: Side, exp: Any, req: RealRequest) -> Callable[[], flo
     None once the tree cannot grow."""
     s = exp.schedule
     ids = list(req.prompt_ids) + [req.prompt_ids[-1]] * (req.max_new_tokens // 2)
+    if side.start_features is not None:  # an eagle head: zero features (the warm-up feeds the prefix)
+        side.start_features(ids, None)
     drafter = TreeDrafter(side.new_draft_source(ids, torch.Generator().manual_seed(0)),
                           width=s.tree_width, budget=s.tree_budget)
 
@@ -260,12 +249,18 @@ def target_worker(side: Side, req: RealRequest, eos: frozenset[int],
                   on_tokens: Callable[[int], None] = lambda n: None) -> list[int]:
     """SwiftSpec Algorithm 1, target side, for one request: verify each subtree the draft
     sends, send back the emitted tokens; records the rounds and the request."""
-    rid, rec, now = req.request_id, side.rec, side.now
+    rid, rec, now, model = req.request_id, side.rec, side.now, side.model
     ids = list(req.prompt_ids)
+    if side.reply_features:  # the eagle head reads the hidden states of the target's forwards
+        model.keep_hidden = True
     t0 = now()
-    prefill(side.model, ids[:-1])
+    prefill(model, ids[:-1])
+    if side.reply_features:
+        side.peer.send(prompt_message(rid, len(ids), _prompt_features(model, len(ids) - 1)))
     rec.span("target", "prefill", t0, now(), request_id=rid)
-    verifier = TargetTreeTokens(side.fwd, side.params, side.generator(rid, TARGET_SALT))
+    features_of = (lambda rows: model.last_hidden[0, rows]) if side.reply_features else None
+    verifier = TargetTreeTokens(side.fwd, side.params, side.generator(rid, TARGET_SALT),
+                                features_of=features_of)
     mode = "topk" if side.params.greedy else "sample"
     out: list[int] = []
     r, start, t_prev = 0, None, now()
@@ -287,9 +282,8 @@ def target_worker(side: Side, req: RealRequest, eos: frozenset[int],
         before = len(out)
         out, done = finish(out, res.tokens, req.max_new_tokens, eos)
         ids.extend(res.tokens)
-        side.peer.send(Message(Kind.STOP if done else Kind.VERIFIED, request_id=rid, round=r,
-                               version=r, committed=len(ids),
-                               tensors=(torch.tensor(res.tokens, dtype=torch.int64),)))
+        side.peer.send(reply_message(rid, r, done=done, committed=len(ids), tokens=res.tokens,
+                                     features=res.features))
         rec.round(request_id=rid, round_idx=r, start_s=t_prev, end_s=e, drafted=len(batch) - 1,
                   checked=res.checked, accepted=res.accepted, emitted=len(out) - before,
                   verified_tokens=len(batch), draft_s=draft_s, target_s=e - s0)
@@ -305,6 +299,14 @@ def target_worker(side: Side, req: RealRequest, eos: frozenset[int],
     return out
 
 
+def _prompt_features(model: Any, n: int) -> torch.Tensor:
+    """The target's last hidden states of the ``n`` tokens its prefill fed (none for a one-token
+    prompt, which the eagle head refuses with its own message)."""
+    if n == 0:
+        return torch.zeros(0, model.args.dim, dtype=model.dtype)
+    return model.last_hidden[0, :n]
+
+
 def draft_worker(side: Side, req: RealRequest, depth: AsyncDepth | int, *, width: int, budget: int,
                  ) -> TreeDrafter:
     """SwiftSpec Algorithm 1, draft side, for one request: grow the tree, send the best subtree
@@ -316,7 +318,9 @@ def draft_worker(side: Side, req: RealRequest, depth: AsyncDepth | int, *, width
     rid, rec, now = req.request_id, side.rec, side.now
     ids = list(req.prompt_ids)
     t0 = now()
-    if side.model is not None:  # the n-gram draft has no cache to fill
+    if side.start_features is not None:  # an eagle head: the target's features, no prefill here
+        side.start_features(ids, prompt_features(side.peer.recv(), rid, len(ids)))
+    elif side.model is not None:  # the n-gram draft has no cache to fill
         prefill(side.model, ids[:-1])
     prefill_end = now()
     rec.span("draft", "prefill", t0, prefill_end, request_id=rid)
@@ -364,7 +368,8 @@ def draft_worker(side: Side, req: RealRequest, depth: AsyncDepth | int, *, width
         if msg.kind == Kind.STOP:
             return drafter
         s0 = now()
-        drafter.advance(msg.tensors[0].tolist())  # re-root + KV compaction
+        tokens, features = reply_parts(msg)
+        drafter.advance(tokens, features=features)  # re-root + KV compaction (+ an eagle head's features)
         if len(ids) != msg.committed:
             raise StaleTree(f"draft re-rooted after {len(ids)} tokens, the target after {msg.committed}")
         rec.span("draft", "reroot", s0, now(), request_id=rid, round_idx=r)
