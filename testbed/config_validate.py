@@ -14,7 +14,15 @@ from testbed.config import (
     ModelConfig,
     workload_names,
 )
-from testbed.schedules import SINGLE, TREE, TWO_GROUPS, schedule_names, spec_of, unsupported
+from testbed.schedules import (
+    PIPELINE,
+    SINGLE,
+    TREE,
+    TWO_GROUPS,
+    schedule_names,
+    spec_of,
+    unsupported,
+)
 from testbed.spec.lookahead import LOOKAHEADS
 
 
@@ -65,10 +73,12 @@ def _validate_eagle(exp: ExperimentConfig) -> None:
             raise ConfigError(f"pair.draft.{k}", v, f"the target's {k}={shape(t)[k]} (an eagle head is one "
                               "layer of its target's width; choose the head trained for this target)")
     _int_range("pair.draft.layers", d.layers, 1, 1)
-    if exp.backend == "real" and spec.layout not in (SINGLE, TREE):  # beside the target it reads
+    # beside the target it reads, or on a pipeline's first stage (the last returns the features)
+    if exp.backend == "real" and spec.layout not in (SINGLE, TREE, PIPELINE):
         raise ConfigError("pair.draft.kind", d.kind, f"a model draft with schedule={exp.schedule.name} "
                           "on backend=real: the eagle head drafts in this process, beside the target "
-                          "whose features it reads (schedule=sync, its trees and lookahead policies)")
+                          "whose features it reads (schedule=sync, its trees and lookahead policies), "
+                          "or on the first stage of schedule=decentralized")
 
 
 def _validate_lookahead(exp: ExperimentConfig) -> None:
