@@ -16,8 +16,6 @@ from testbed.config import (
     workload_names,
 )
 from testbed.schedules import (
-    SINGLE,
-    TREE,
     TWO_GROUPS,
     names_where,
     schedule_names,
@@ -64,7 +62,7 @@ def _validate_model(prefix: str, m: ModelConfig, backend: str) -> None:
 
 def _validate_eagle(exp: ExperimentConfig) -> None:
     """An eagle head is one decoder layer of its target's shape that reads the target's features."""
-    t, d, spec = exp.pair.target, exp.pair.draft, spec_of(exp)
+    t, d = exp.pair.target, exp.pair.draft
     def shape(m: ModelConfig) -> dict[str, int]:
         return {"hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads, "ffn": m.ffn, "vocab": m.vocab,
                 "head_dim": m.head_dim or m.hidden // max(m.heads, 1)}
@@ -74,11 +72,8 @@ def _validate_eagle(exp: ExperimentConfig) -> None:
             raise ConfigError(f"pair.draft.{k}", v, f"the target's {k}={shape(t)[k]} (an eagle head is one "
                               "layer of its target's width; choose the head trained for this target)")
     _int_range("pair.draft.layers", d.layers, 1, 1)
-    if exp.backend == "real" and spec.layout not in (SINGLE, TREE, TWO_GROUPS):  # it reads the target's features
-        raise ConfigError("pair.draft.kind", d.kind, f"a model draft with schedule={exp.schedule.name} "
-                          "on backend=real: the eagle head drafts beside the target whose features it "
-                          "reads, or in a draft group the target sends them to (schedule=sync, its "
-                          "trees and lookahead policies, schedule=async)")
+    # every layout takes one: beside the target, in a draft group the target sends its features
+    # to (async), on a pipeline's first stage to which the last returns them (decentralized)
 
 
 def _validate_lookahead(exp: ExperimentConfig) -> None:

@@ -159,6 +159,24 @@ def dsd_window_bytes(tokens: int, *, hidden: int, act_bytes: int, dists: int = 0
     return activation_bytes(tokens, hidden, act_bytes) + tokens_bytes(tokens) + dists
 
 
+PREFILL_END_BYTES = 8  # the last stage's prefill end (float64) in its answer to a prompt
+
+
+def dsd_verified_bytes(tokens: int, *, hidden: int, act_bytes: int, features: bool) -> int:
+    """The last stage's answer to a decentralized window: the ``tokens`` emitted token ids and,
+    for a feature-level (eagle) draft (``features``), the target's features of as many
+    positions (the window's old root and its accepted guesses: what the draft reads next)."""
+    return tokens_bytes(tokens) + (features_bytes(tokens, hidden=hidden, act_bytes=act_bytes)
+                                   if features else 0)
+
+
+def dsd_prompt_answer_bytes(fed: int, *, hidden: int, act_bytes: int, features: bool) -> int:
+    """The last stage's answer to a decentralized prompt: its prefill end and, for an eagle
+    draft, the target's features of the ``fed`` prompt tokens (all but the last)."""
+    return PREFILL_END_BYTES + (features_bytes(fed, hidden=hidden, act_bytes=act_bytes)
+                                if features else 0)
+
+
 def draft_window_bytes(k: int, *, vocab: int = 0, dist_dtype_bytes: int = 4) -> int:
     """A chain of k draft tokens, with their distributions when ``vocab`` > 0."""
     return tokens_bytes(k) + dists_bytes(k, vocab, dist_dtype_bytes)

@@ -150,18 +150,21 @@ class EagleDraft(_ForwardDraft):
                                self.features.shape[1], dtype=self.features.dtype, device=self.features.device)
             self.features = torch.cat([self.features, more])
 
-    def take_target_features(self, start: int, count: int, features: Tensor | None = None) -> None:
-        """f_start..f_{start+count-1}: the first ``count`` rows of ``features`` (``[rows, dim]``,
-        the target's when it runs in another process: ``schedule=async``), else of the target's
-        last forward."""
-        if features is None:
-            hidden = self.target.last_hidden
-            features = None if hidden is None else hidden[0]
-        if features is None or features.shape[0] < count:
-            raise RuntimeError("eagle: the target's last forward kept no hidden states")
+    def take_features(self, start: int, features: Tensor) -> None:
+        """f_start.. = ``features [count, dim]``, the target's (from its last forward here, or
+        sent by the process that ran its last layer: a pipeline's last stage)."""
+        count = features.shape[0]
         self._grow(start + count)
-        self.features[start: start + count] = features[:count].to(self.features.device, self.features.dtype)
+        # (features sent by another process arrive on the link's device, in its dtype)
+        self.features[start: start + count] = features.to(self.features.device, self.features.dtype)
         self.known = start + count
+
+    def take_target_features(self, start: int, count: int) -> None:
+        """f_start..f_{start+count-1} from the target's last forward (its first ``count`` rows)."""
+        hidden = self.target.last_hidden
+        if hidden is None or hidden.shape[1] < count:
+            raise RuntimeError("eagle: the target's last forward kept no hidden states")
+        self.take_features(start, hidden[0, :count])
 
     @torch.inference_mode()
     def forward_probs(self, tokens: list[int], start: int) -> torch.Tensor:
@@ -176,22 +179,35 @@ class EagleDraft(_ForwardDraft):
         return standardize(self.target.head(f[:, -1:])[0, -1], self.params)
 
     @torch.inference_mode()
-    def start(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
-        # the target's prefill fed prompt[:-1]: f_0..f_{n-2} (its last forward's, or ``features``
-        # ``[n-1, dim]`` sent by a target in another process); pair 0 has no feature (slot unused)
+    def start(self, prompt_ids: list[int], *, features: Tensor | None = None) -> None:
+        """``features``: the target's of ``prompt_ids[:-1]`` where its last layer ran in another
+        process (a pipeline's last stage sends them); None: its last forward here (the prefill)."""
+        # the target's prefill fed prompt[:-1]: f_0..f_{n-2}; pair 0 has no feature (slot unused)
         if self.head.body.max_seq != self.target.max_seq:
             self.head.body.setup_cache(self.target.max_seq)
         self.head.body.truncate(0)
         if len(prompt_ids) < 2:
             raise RealSetupError("an eagle draft needs prompts of at least 2 tokens (it reads the "
                                  "target's feature of the token before the last)")
-        self.take_target_features(0, len(prompt_ids) - 1, features)
+        self._handed(0, len(prompt_ids) - 1, features)
         self.cached, self._last, self._last_index = 1, None, -1
 
-    def commit(self, ids: list[int], accepted: int, proposed: int) -> None:
+    def commit(self, ids: list[int], accepted: int, proposed: int, *,
+               features: Tensor | None = None) -> None:
+        """``features``: the target's of the round's old root and accepted guesses where its last
+        layer ran in another process; None: its verification forward here."""
         # slots >= the round's base held drafted features: fed again with the target's
         self.cached = min(self.cached, self._base)
-        self.take_target_features(self._base - 1, accepted + 1)
+        self._handed(self._base - 1, accepted + 1, features)
+
+    def _handed(self, start: int, count: int, features: Tensor | None) -> None:
+        if features is None:
+            self.take_target_features(start, count)
+            return
+        if features.shape != (count, self.features.shape[1]):
+            raise RuntimeError(f"eagle: expected the target's features of {count} positions, got "
+                               f"a tensor of shape {tuple(features.shape)}")
+        self.take_features(start, features)
 
     def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
         n = len(tokens)

@@ -86,11 +86,7 @@ class EagleTreeTokens(DraftSource):
         at positions ``len(history) - 1 ..`` (called before ``commit``)."""
         if features is None:
             raise RuntimeError("eagle: the target's verification kept no hidden states")
-        start = len(self._history) - 1
-        self.draft._grow(start + features.shape[0])
-        feats = self.draft.features  # (a reply of the target group arrives on the link's device)
-        feats[start: start + features.shape[0]] = features.to(feats.device, feats.dtype)
-        self.draft.known = start + features.shape[0]
+        self.draft.take_features(len(self._history) - 1, features)
 
     def commit(self, tokens: list[int]) -> None:
         self._history.extend(tokens)

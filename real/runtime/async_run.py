@@ -147,7 +147,7 @@ def eagle_hooks(draft: EagleDraft, params: SamplingParams, *, cache_slots: int,
         if features is None:  # an expansion's cost does not depend on the features' values
             t = draft.target
             features = torch.zeros(max(0, len(ids) - 1), t.args.dim, dtype=t.dtype, device=t.device)
-        draft.start(ids, features)
+        draft.start(ids, features=features)
     return source, start
 
 

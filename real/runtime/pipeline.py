@@ -3,11 +3,13 @@ setting, seed 003): the mirror of sim/runtime/pipeline.py.
 
 Each stage process holds the target's layers ``[lo, hi)`` of the placement's split
 (``testbed.placement.split_layers``, the simulator's split); the first also the embedding and the
-draft, the last the final norm and LM head. One *traversal* feeds a window of tokens at cache
-slots ``committed-1 ..``: stage i runs its layers and ships the hidden states to stage i+1 over
-``real/runtime/links.py`` (``network=`` delay); the last stage computes the logits, verifies the window
-(``verify``: Algorithm 1 or DSD's adaptive rule, real/schedules/decentralized.py) and returns the
-emitted tokens to the first stage, closing the loop across N links exactly as
+draft, the last the final norm and LM head (every stage loads the whole checkpoint: an eagle
+draft on the first stage drafts through the final norm and LM head as well). One *traversal*
+feeds a window of tokens at cache slots ``committed-1 ..``: stage i runs its layers and ships the
+hidden states to stage i+1 over ``real/runtime/links.py`` (``network=`` delay); the last stage
+computes the logits, verifies the window (``verify``: Algorithm 1 or DSD's adaptive rule,
+real/schedules/decentralized.py) and returns the emitted tokens to the first stage (with the
+target's features for an eagle draft), closing the loop across N links exactly as
 ``sim.runtime.pipeline.Pipeline.forward`` + ``send_back`` do.
 
 Every window carries the committed sequence length (``Message.committed``): a stage writes the
@@ -20,9 +22,15 @@ Messages (``real.runtime.links.Message``, ``version`` = the phase: 0 the schedul
   (int32 ``[T]``: the last committed token and the γ guesses; the last stage verifies them), and,
   when the verifier needs them, the draft distributions (``pack_dists``). ``round`` -1 is the
   prompt (``committed`` 0, no verification).
-- ``Kind.DATA`` last -> first after the prompt: the last stage's prefill end (float64).
-- ``Kind.VERIFIED`` last -> first: the emitted tokens (int32 ``[n+1]``), ``committed`` = the new
-  sequence length.
+- ``Kind.DATA`` last -> first after the prompt: the last stage's prefill end (float64), and when
+  the first stage's draft reads the target's features (an eagle head, ``Stage.features``) the
+  features of the fed prompt tokens (``[P, dim]``, model dtype: the last layer's output before
+  the final norm, what ``Transformer.last_hidden`` keeps in one process).
+- ``Kind.VERIFIED`` last -> first: the emitted tokens (int32 ``[n+1]``), and for an eagle draft
+  the features of the window's first n+1 positions (``[n+1, dim]``: the old root and the n accepted
+  guesses, the rows ``real.model.eagle.EagleDraft.commit`` takes); ``committed`` = the new
+  sequence length. ``testbed.links.dsd_prompt_answer_bytes`` and ``dsd_verified_bytes`` are the
+  sizes both backends charge.
 - ``Kind.STOP`` first -> ... -> last: no more requests.
 
 ``ar_pipeline`` is `ar` over the pipeline (the baseline of `decentralized`): a window of one token
@@ -90,6 +98,10 @@ class Stage:
     rec: RunRecorder
     now: Callable[[], float]
     compute_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (phase, kind) -> s
+    # the first stage's draft reads the target's features (an eagle head): the last stage returns
+    # them with its answers to the schedule's windows (the `ar` baseline has no draft)
+    features: bool = False
+    hidden: torch.Tensor | None = None  # the last forward's output of the final layer (pre-norm)
 
     @property
     def first(self) -> bool:
@@ -109,6 +121,8 @@ class Stage:
         m, (lo, hi) = self.model, self.layers
         h = m.embed(x) if self.first else x
         h = m.forward_layers(h, start, lo=lo, hi=hi)
+        if hi == m.args.n_layers:  # kept for an eagle draft: its features (``features_of``)
+            self.hidden = h
         return m.head(h)[0] if head else h
 
     def timed(self, x: torch.Tensor, start: int, *, head: bool, kind: str, phase: int,
@@ -127,7 +141,7 @@ class Stage:
 
     def recv(self) -> Message:
         assert self.inbox is not None
-        return self.inbox.recv()
+        return self.inbox.recv()  # at most the transport's receive timeout (real.recv_timeout_s)
 
     def send(self, msg: Message) -> None:
         assert self.outbox is not None
@@ -144,23 +158,38 @@ def send_prompt(stage: Stage, prompt: list[int], request_id: int, phase: int) ->
                            committed=0, tensors=(h, torch.tensor(prompt, dtype=torch.int32))))
 
 
-def await_prompt(stage: Stage, request_id: int) -> float:
-    """The last stage's prefill end (run clock); the stage's own time on a one-stage pipeline."""
+def await_prompt(stage: Stage, request_id: int) -> tuple[float, torch.Tensor | None]:
+    """The last stage's prefill end (run clock; the stage's own time on a one-stage pipeline)
+    and the target's features of the fed prompt when the last stage sent them (an eagle draft;
+    None on a one-stage pipeline: the draft reads them from this process's target)."""
     if stage.count == 1:
-        return stage.now()
+        return stage.now(), None
     msg = stage.recv()
     if msg.kind != Kind.DATA or msg.request_id != request_id:
         raise PipelineProtocolError(f"stage0 expected the prefill acknowledgement of request "
                                     f"{request_id}, got kind {msg.kind} request {msg.request_id}")
-    return float(msg.tensors[0][0])
+    return float(msg.tensors[0][0]), (msg.tensors[1] if len(msg.tensors) > 1 else None)
+
+
+def features_of(stage: Stage, rows: int) -> torch.Tensor:
+    """The target's features of the first ``rows`` tokens of this (last) stage's last forward:
+    the final layer's output before the final norm, ``[rows, dim]``."""
+    m = stage.model
+    if rows == 0:  # nothing was fed (a one-token prompt)
+        return torch.zeros(0, m.args.dim, dtype=m.dtype, device=m.device)
+    if stage.hidden is None or stage.hidden.shape[1] < rows:
+        raise PipelineProtocolError(f"{stage.name} has no features of {rows} tokens to return")
+    return stage.hidden[0, :rows]
 
 
 def traverse(stage: Stage, window: list[int], *, committed: int, request_id: int, round_idx: int,
              phase: int, dists: tuple[torch.Tensor, ...] = (), verify: Verify | None = None,
-             ) -> list[int]:
+             ) -> tuple[list[int], torch.Tensor | None]:
     """One round trip from the first stage: feed ``window`` at slots ``committed-1 ..``, send
     it down the pipeline with ``dists``, return the emitted tokens the last stage sends back
-    (``verify`` decides here on a one-stage pipeline)."""
+    (``verify`` decides here on a one-stage pipeline) and the target's features of the window's
+    first len(emitted) positions when it sent them (an eagle draft; None on one stage: the
+    draft reads them from this process's target)."""
     tokens = torch.tensor(window, dtype=torch.int32)
     msg = Message(Kind.ACTIVATIONS, request_id=request_id, round=round_idx, version=phase,
                   committed=committed, tensors=(torch.empty(0), tokens, *dists))
@@ -170,19 +199,22 @@ def traverse(stage: Stage, window: list[int], *, committed: int, request_id: int
         assert verify is not None
         logits = stage.timed(x, committed - 1, head=True, kind=kind, phase=phase,
                              request_id=request_id, round_idx=round_idx)
-        return verify(logits, msg)
+        return verify(logits, msg), None
     h = stage.timed(x, committed - 1, head=False, kind=kind, phase=phase, request_id=request_id,
                     round_idx=round_idx)
     stage.send(replace(msg, tensors=(h, tokens, *dists)))
     got = stage.recv()
     emitted = got.tensors[0].tolist() if got.tensors else []
+    features = got.tensors[1] if len(got.tensors) > 1 else None
     if (got.kind != Kind.VERIFIED or got.request_id != request_id or got.round != round_idx
-            or got.committed != committed + len(emitted)):
+            or got.committed != committed + len(emitted)
+            or (features is not None and features.shape[0] != len(emitted))):
         raise PipelineProtocolError(
             f"stage0 expected the verified tokens of request {request_id} round {round_idx} after "
             f"{committed} committed tokens, got kind {got.kind} request {got.request_id} round "
-            f"{got.round} committing {got.committed} with {len(emitted)} tokens")
-    return emitted
+            f"{got.round} committing {got.committed} with {len(emitted)} tokens"
+            + ("" if features is None else f" and {features.shape[0]} features"))
+    return emitted, features
 
 
 def stop(stage: Stage) -> None:
@@ -212,18 +244,24 @@ def stage_worker(stage: Stage, make_verify: Callable[[Message], Verify]) -> int:
         out = stage.timed(h, start, head=stage.last and not prompt, kind=kind, phase=msg.version,
                           request_id=msg.request_id, round_idx=msg.round)
         served += 1
+        # an eagle draft's features ride back with the answer (not to the `ar` baseline's windows)
+        feats = stage.features and msg.version == SCHEDULE_PHASE
         if not stage.last:
             stage.send(replace(msg, tensors=(out, *msg.tensors[1:])))
         elif prompt:
             verify = make_verify(msg)
+            end = torch.tensor([stage.now()], dtype=torch.float64)
+            fed = features_of(stage, msg.tensors[1].numel()) if feats else None
             stage.send(Message(Kind.DATA, request_id=msg.request_id, round=-1, version=msg.version,
-                               tensors=(torch.tensor([stage.now()], dtype=torch.float64),)))
+                               tensors=(end,) if fed is None else (end, fed)))
         else:
             assert verify is not None
             emitted = verify(out, msg)
+            tokens = torch.tensor(emitted, dtype=torch.int32)
+            tensors = (tokens, features_of(stage, len(emitted))) if feats else (tokens,)
             stage.send(Message(Kind.VERIFIED, request_id=msg.request_id, round=msg.round,
                                version=msg.version, committed=msg.committed + len(emitted),
-                               tensors=(torch.tensor(emitted, dtype=torch.int32),)))
+                               tensors=tensors))
 
 
 # ------------------------------------------------------------------------- `ar` on it
@@ -235,14 +273,14 @@ def ar_pipeline(stage: Stage, req: RealRequest, eos: frozenset[int], verify: Ver
     ids = list(req.prompt_ids)
     t0 = now()
     send_prompt(stage, ids[:-1], rid, phase)
-    prefill_end = await_prompt(stage, rid)
+    prefill_end, _ = await_prompt(stage, rid)
     start = now()
     out: list[int] = []
     done, i = False, 0
     while not done:
         s = now()
-        emitted = traverse(stage, [ids[-1]], committed=len(ids), request_id=rid, round_idx=i,
-                           phase=phase, verify=verify)
+        emitted, _ = traverse(stage, [ids[-1]], committed=len(ids), request_id=rid, round_idx=i,
+                              phase=phase, verify=verify)
         e = now()
         ids.extend(emitted)
         out, done = finish(out, emitted, req.max_new_tokens, eos)

@@ -112,6 +112,8 @@ def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: r
                       ctx.transport_from(names[index - 1]) if count > 1 else None,
                       ctx.transport_to(names[(index + 1) % count]) if count > 1 else None,
                       ctx.rec, ctx.now)
+        # an eagle head on the first stage reads the target's features: the last stage returns them
+        stage.features = spec_of(exp).drafts and exp.pair.draft.kind == "eagle"
         verifiers: dict[tuple[int, int], WindowVerifier] = {}
         vocab = target.args.vocab_size
 
@@ -187,6 +189,8 @@ def _first_stage(stage: Stage, exp: ExperimentConfig, *, served: StageServed, re
     telemetry = Telemetry(exp.real.device)
     with telemetry:
         if spec_of(exp).drafts:  # DSD's windows (real/schedules/decentralized.py)
+            # ``target`` holds every weight of the checkpoint (only this stage's layers have a KV
+            # cache): an eagle head drafts through its embedding, final norm and LM head
             draft = make_draft(exp, target, tokenizer, draft_params(params, exp.schedule.draft_topk))
             if draft is None:
                 raise _Err(f"schedule={exp.schedule.name} needs a draft")

@@ -12,6 +12,14 @@ processes (real/runtime/pipeline.py, the split of testbed.placement), joined in 
    adaptive rule, testbed.spec.dsd, when ``schedule.adaptive=true``) and returns the accepted
    tokens plus one to the first stage.
 
+An eagle head (real/model/eagle.py) reads the target's features, which only the last stage
+computes: the last stage returns them with its answers (``Stage.features``) — the fed prompt's
+with the prompt's acknowledgement, the old root's and the accepted guesses' with the verified
+tokens, the rows `sync` hands over in one process — and the first stage gives them to the head
+(``EagleDraft.start`` / ``commit`` with ``features=``). Its first window waits for the prompt's.
+The head drafts through the target's embedding, final norm and LM head, which the first stage
+holds (real/runtime/pipeline.py).
+
 Draft distributions on the wire. At temperature 0 (and for the one-hot n-gram draft) the
 verifier rebuilds q from the window's tokens: nothing is sent. Otherwise q travels with the
 window. Full rows cost γ·V·4 bytes (1.5 MB per window for SmolLM2's 49k vocabulary at γ = 8,
@@ -36,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from real.model.drafts import Draft, one_hot
+from real.model.eagle import EagleDraft
 from real.runtime.context import RealRequest, finish
 from real.runtime.links import Message
 from real.runtime.pipeline import (
@@ -126,10 +135,16 @@ def dsd_first_stage(stage: Stage, draft: Draft, req: RealRequest, eos: frozenset
     ids = list(req.prompt_ids)
     t0 = now()
     send_prompt(stage, ids[:-1], rid, SCHEDULE_PHASE)
-    s = now()
-    draft.start(ids)  # overlaps the other stages' prefill
-    rec.span("draft", "prefill", s, now(), request_id=rid)
-    prefill_end = max(await_prompt(stage, rid), now())
+    if not isinstance(draft, EagleDraft):  # an eagle head waits for the prompt's features
+        s = now()
+        draft.start(ids)  # overlaps the other stages' prefill
+        rec.span("draft", "prefill", s, now(), request_id=rid)
+    prefill_end, features = await_prompt(stage, rid)
+    if isinstance(draft, EagleDraft):
+        s = now()
+        draft.start(ids, features=features)  # the prompt's features: after the acknowledgement
+        rec.span("draft", "prefill", s, now(), request_id=rid)
+    prefill_end = max(prefill_end, now())
     start = now()
     out: list[int] = []
     done, r = False, 0
@@ -139,12 +154,15 @@ def dsd_first_stage(stage: Stage, draft: Draft, req: RealRequest, eos: frozenset
         guesses, q = draft.propose(ids, gamma, gen)
         m = now()
         dists = pack_dists(q, exp.schedule.draft_topk) if send_dists and guesses else ()
-        emitted = traverse(stage, [ids[-1], *guesses], committed=len(ids), request_id=rid,
-                           round_idx=r, phase=SCHEDULE_PHASE, dists=dists, verify=verify)
+        emitted, features = traverse(stage, [ids[-1], *guesses], committed=len(ids), request_id=rid,
+                                     round_idx=r, phase=SCHEDULE_PHASE, dists=dists, verify=verify)
         e = now()
         n, k = len(emitted) - 1, len(guesses)
         ids.extend(emitted)
-        draft.commit(ids, n, k)
+        if isinstance(draft, EagleDraft):
+            draft.commit(ids, n, k, features=features)
+        else:
+            draft.commit(ids, n, k)
         before = len(out)
         out, done = finish(out, emitted, req.max_new_tokens, eos)
         policy.observe(k, n)

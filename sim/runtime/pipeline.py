@@ -4,6 +4,9 @@ One *traversal* runs a forward of k tokens through every stage in order (stage i
 layers, then ships k x hidden activations to stage i+1 over its link); the last stage produces
 the logits, and ``send_back`` returns the resulting tokens from the last node to the first (the
 node that embeds the next input and hosts the draft). A round trip therefore crosses N links.
+An eagle draft reads the target's features, which only the last node computes: they travel back
+with the tokens (``send_back``) and, after the prompt, alone (``send_prompt_answer``), charged as
+real/runtime/pipeline.py sends them (testbed.links.dsd_verified_bytes, dsd_prompt_answer_bytes).
 
 ``ar_pipeline`` is the `ar` schedule over such a pipeline (used by sim/schedules/ar.py when
 ``placement.nodes > 1``): every token makes a full round trip.
@@ -18,8 +21,9 @@ from sim.cost.quant import spec
 from sim.runtime.context import SimContext, SimRequest
 from sim.runtime.links import Link
 from sim.runtime.topology import Topology, build_topology
-from testbed.links import TOKEN_BYTES, dsd_window_bytes
+from testbed.links import TOKEN_BYTES, dsd_prompt_answer_bytes, dsd_verified_bytes, dsd_window_bytes
 from testbed.recorder import RequestRecord
+from testbed.schedules import spec_of
 
 __all__ = ["TOKEN_BYTES", "Pipeline", "ar_pipeline", "topology_for"]
 
@@ -46,8 +50,9 @@ class Pipeline:
         t = ctx.exp.pair.target
         self.hidden, self.act_bytes = t.hidden, spec(t.quant).act_bytes
         self.act_bytes_per_token = t.hidden * self.act_bytes
-        # an eagle draft on the first node reads the verified tokens' features: the last node sends them back
-        self.back_feature_bytes = self.act_bytes_per_token if ctx.exp.pair.draft.kind == "eagle" else 0
+        # an eagle draft on the first node reads the verified tokens' features: the last node sends
+        # them back (not in the `ar` baseline's pipeline: it has no draft)
+        self.back_features = spec_of(ctx.exp).drafts and ctx.exp.pair.draft.kind == "eagle"
 
     @classmethod
     def of(cls, ctx: SimContext) -> Pipeline:
@@ -95,9 +100,20 @@ class Pipeline:
         return compute
 
     def send_back(self, ntokens: int, request_id: int, round_idx: int) -> Generator[Any, Any, None]:
-        """The last node returns `ntokens` token ids to the first."""
+        """The last node returns `ntokens` token ids to the first (with their features for an
+        eagle draft)."""
         if self.back is not None:
-            yield from self.back.send(ntokens * (TOKEN_BYTES + self.back_feature_bytes), request_id, round_idx)
+            nbytes = dsd_verified_bytes(ntokens, hidden=self.hidden, act_bytes=self.act_bytes,
+                                        features=self.back_features)
+            yield from self.back.send(nbytes, request_id, round_idx)
+
+    def send_prompt_answer(self, fed: int, request_id: int) -> Generator[Any, Any, None]:
+        """The last node's answer to a prompt of which it fed `fed` tokens: with the features an
+        eagle draft reads. (Other drafts' first window does not wait for it: not modelled.)"""
+        if self.back is not None and self.back_features:
+            nbytes = dsd_prompt_answer_bytes(fed, hidden=self.hidden, act_bytes=self.act_bytes,
+                                             features=True)
+            yield from self.back.send(nbytes, request_id, -1)
 
     def summary_fields(self) -> dict[str, Any]:
         """Network facts of the run, for summary.json."""

@@ -8,7 +8,11 @@ The target is a pipeline of ``placement.nodes`` stages on as many nodes, joined 
    (γ+1) x hidden activations to stage i+1;
 3. the last stage verifies — Algorithm 1 (testbed.spec.speculative via the oracle), or DSD's
    adaptive rule (testbed.spec.dsd: key tokens strict, others against P_t^(1-τ)·P_d^τ) when
-   ``schedule.adaptive=true`` — and returns the accepted tokens plus one to node 0.
+   ``schedule.adaptive=true`` — and returns the accepted tokens plus one to node 0 (an eagle
+   draft's features of the old root and the accepted tokens with them).
+
+An eagle draft reads the target's features: the last stage sends the prompt's back after the
+prefill, and the draft's prefill and first window wait for them (real/schedules/decentralized.py).
 
 With the i.i.d. oracle the acceptance is Leviathan's model through the shared rule; the adaptive
 rule needs token distributions (acceptance=synthetic; config validation says so).
@@ -109,9 +113,15 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
     rid = req.request_id
     t_start = env.now
     pf_draft = cost.prefill("draft", req.prompt_len)  # the draft shares node 0's GPUs
-    yield env.timeout(pf_draft)
-    rec.span("draft", "prefill", t_start, env.now, request_id=rid)
+    if not pipe.back_features:
+        yield env.timeout(pf_draft)
+        rec.span("draft", "prefill", t_start, env.now, request_id=rid)
     yield from pipe.forward(req.prompt_len, 0, rid, -1, kind="prefill")
+    if pipe.back_features:  # an eagle head's prefill reads the prompt's features
+        yield from pipe.send_prompt_answer(req.prompt_len - 1, rid)
+        s_draft = env.now
+        yield env.timeout(pf_draft)
+        rec.span("draft", "prefill", s_draft, env.now, request_id=rid)
     prefill_s = env.now - t_start
     start = env.now
     seq_len = req.prompt_len

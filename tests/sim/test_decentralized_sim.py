@@ -112,3 +112,43 @@ def test_ar_over_a_pipeline_is_its_own_schedule() -> None:
     rounds = res.recorder.frames()[0]
     assert all_close(rounds["end_s"] - rounds["start_s"], 0.025 + 2 * 0.005)
     assert res.extra["links_per_round_trip"] == 2
+
+
+def test_an_eagle_draft_s_features_ride_back_with_the_verified_tokens(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The last stage's answers cost what real/runtime/pipeline.py sends (testbed.links): with an
+    eagle draft the prompt's features after the prefill and the verified positions' features
+    with the tokens; tokens only with another draft and in the `ar` baseline over the pipeline."""
+    from sim.runtime.links import Link
+    from testbed.links import dsd_prompt_answer_bytes, dsd_verified_bytes
+
+    sent: list[tuple[str, float, int]] = []
+    send = Link.send
+
+    def record(self, nbytes, request_id=-1, round_idx=-1):  # type: ignore[no-untyped-def]
+        sent.append((self.name, nbytes, round_idx))
+        return send(self, nbytes, request_id, round_idx)
+
+    monkeypatch.setattr(Link, "send", record)
+
+    def answers(exp, seed: int = 0):  # type: ignore[no-untyped-def]
+        sent.clear()
+        rounds = simulate(exp, make_requests(exp), seed=seed).frames()[0]
+        return rounds, [(n, r) for name, n, r in sent if name == "link stage1->stage0"]
+
+    exp = analytic(0.8, 4, 0.05, 2, 5.0, "pair=llama3_8b+llama3_8b_eagle", "workload.num_prompts=1",
+                   "workload.max_new_tokens=30")
+    assert exp.pair.target.quant == "bf16"
+    size = {"hidden": exp.pair.target.hidden, "act_bytes": 2}
+    prompt_len = make_requests(exp)[0].prompt_len
+    rounds, back = answers(exp)
+    assert back[0] == (dsd_prompt_answer_bytes(prompt_len - 1, **size, features=True), -1)
+    assert back[1:] == [(dsd_verified_bytes(a + 1, **size, features=True), r)
+                        for a, r in zip(rounds.accepted, rounds["round"])]
+    assert (rounds.accepted > 0).any()
+    base_rounds, base_back = answers(baseline_experiment(exp), seed=1)
+    assert base_back == [(dsd_verified_bytes(1, **size, features=False), r) for r in base_rounds["round"]]
+    other = analytic(0.8, 4, 0.05, 2, 5.0, "pair=llama3_8b+llama3_2_1b", "workload.num_prompts=1",
+                     "workload.max_new_tokens=30")
+    rounds, back = answers(other)
+    assert back == [(dsd_verified_bytes(a + 1, **size, features=False), r)
+                    for a, r in zip(rounds.accepted, rounds["round"])]
