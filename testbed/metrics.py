@@ -136,16 +136,21 @@ def system_throughput(requests: pd.DataFrame) -> float:
     return float(requests["generated"].sum()) / span if span > 0 else float("nan")
 
 
+def _tpot(q: pd.DataFrame) -> pd.Series:
+    """ms per output token after the first, per request (NaN for a one-token answer)."""
+    return 1e3 * (q["finish_s"] - q["first_token_s"]) / (q["generated"] - 1).where(q["generated"] > 1)
+
+
 def load_metrics(requests: pd.DataFrame, timeline: pd.DataFrame, *, slo_ttft_ms: float, slo_tpot_ms: float,
                  baseline_requests: pd.DataFrame | None = None) -> dict[str, Any]:
     """What serving under load is judged by (runs under testbed/arrivals.py's load): TTFT, TPOT
     (after the first token) and end-to-end latency per request (mean, P50, P90, P99), the
     queueing delay, the system's throughput and goodput (requests per second meeting both SLOs;
-    a bound of 0 is no bound), the time-weighted mean batch of the target's forwards, and the
-    throughput against `ar` at the same load."""
+    a bound of 0 is no bound), the time-weighted mean batch of the target's forwards, and against
+    `ar` at the same load the throughput (``load_speedup``) and the P50 TPOT (``tpot_speedup``)."""
     q = requests
     ttft = 1e3 * (q["first_token_s"] - q["arrival_s"])
-    tpot = 1e3 * (q["finish_s"] - q["first_token_s"]) / (q["generated"] - 1).where(q["generated"] > 1)
+    tpot = _tpot(q)
     e2e = 1e3 * (q["finish_s"] - q["arrival_s"])
     ok = pd.Series(True, index=q.index)
     if slo_ttft_ms > 0:
@@ -158,12 +163,17 @@ def load_metrics(requests: pd.DataFrame, timeline: pd.DataFrame, *, slo_ttft_ms:
     dur = (target["end_s"] - target["start_s"]) if len(target) else pd.Series(dtype=float)
     mean_batch = float((dur * target["batch"]).sum() / dur.sum()) if len(target) and dur.sum() > 0 else float("nan")
     tps = system_throughput(q)
-    base = system_throughput(baseline_requests) if baseline_requests is not None and len(baseline_requests) \
-        else float("nan")
+    has_base = baseline_requests is not None and len(baseline_requests) > 0
+    base = system_throughput(baseline_requests) if has_base else float("nan")
+    base_tpot = float(_tpot(baseline_requests).median()) if has_base else float("nan")
+    tpot_p50 = float(tpot.median()) if tpot.notna().any() else float("nan")
     return {
         "throughput_tok_s": _clean(tps),
         "ar_throughput_tok_s": _clean(base),
         "load_speedup": _clean(tps / base) if base == base and base > 0 else None,
+        # open arrivals below saturation: the throughput is the offered load for every
+        # schedule; what speculation changes is each token's latency
+        "tpot_speedup": _clean(base_tpot / tpot_p50) if base_tpot == base_tpot and tpot_p50 > 0 else None,
         **_pcts("ttft_ms", ttft), **_pcts("tpot_ms", tpot), **_pcts("e2e_ms", e2e),
         "queue_ms_mean": _clean(float(1e3 * q["queue_s"].mean())) if len(q) else None,
         "queue_ms_p90": _clean(float(1e3 * q["queue_s"].quantile(0.9))) if len(q) else None,

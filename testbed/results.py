@@ -66,6 +66,9 @@ def build_summary(exp: ExperimentConfig, result: RunResult) -> dict[str, Any]:
     summary = experiment_key(exp)
     summary.update(summarize(rounds, requests, exp.schedule.gamma, base))
     if under_load(exp.workload):  # testbed/arrivals.py: latency percentiles, goodput, batch
+        w = exp.workload
+        summary.update({"arrival": w.arrival, "concurrency": w.concurrency if w.arrival == "closed" else None,
+                        "rate": w.rate if w.arrival == "poisson" else None})
         summary.update(load_metrics(requests, timeline, slo_ttft_ms=exp.serving.slo_ttft_ms,
                                     slo_tpot_ms=exp.serving.slo_tpot_ms, baseline_requests=base))
     summary.update({k: v for k, v in result.extra.items() if k not in SIDE_FILES})

@@ -120,6 +120,10 @@ SMOKE: dict[str, Smoke] = {
     "python -m testbed +sweep=gpu_split backend=real": Smoke(
         # two splits: the report compares splits (gpu_split_validation.csv needs more than one)
         "sweep", ("+split=sync,ar", *REAL_SWEEP), files=("gpu_split_validation.csv",), slow=True, timeout=1800),
+    # two loads and two γ: the report's load section needs more than one load
+    "python -m testbed +sweep=load": Smoke(
+        "sweep", ("workload.rate=1,64", "schedule.gamma=2", "workload.num_prompts=8", "workload.max_new_tokens=32"),
+        stdout="sweep report"),
     # (the default run has this sweep, run twice into one directory, below)
     "python -m testbed +sweep=wan": Smoke("sweep", WAN, slow=True, precheck=True),
     "python -m testbed +sweep=validate": Smoke(

@@ -27,6 +27,7 @@ ReportError = RunDirError
 def load_sections(runs: list[Run]) -> None:
     """Register the report sections these runs can use (all but the sim-vs-real ones for none)."""
     import testbed.report.sections  # noqa: F401  (registers the built-in sections)
+    import testbed.report.sections_load  # noqa: F401  (speculation under load: +sweep=load)
     import testbed.report.sections_lookahead  # noqa: F401  (lookahead policies: DISCO's Table 1)
     import testbed.report.sections_repeats  # noqa: F401  (real.repeats: intervals, machine state)
     import testbed.report.sections_sim  # noqa: F401  (GPU split, DSD, Gantt charts)

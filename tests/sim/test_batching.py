@@ -95,6 +95,7 @@ def test_load_metrics_are_ordered_and_the_slo_bounds_goodput() -> None:
     assert free["slo_attainment"] == 1.0 and tight["slo_attainment"] == 0.0
     assert free["goodput_req_s"] > 0 and tight["goodput_req_s"] == 0
     assert free["load_speedup"] == pytest.approx(free["throughput_tok_s"] / free["ar_throughput_tok_s"])
+    assert free["tpot_speedup"] > 1  # the bundled pair's sync beats ar per token at 3 clients
     assert free["tokens_per_s"] > 0 and "ttft_ms_p50" not in served("schedule=sync")[0]
 
 

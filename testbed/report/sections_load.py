@@ -1,0 +1,115 @@
+"""Report section "Speculation under load" (`+sweep=load`; any runs at several loads).
+
+Runs under load (testbed/arrivals.py) carry a load (``rate`` of Poisson arrivals or closed-loop
+``concurrency``) and the serving metrics (testbed/metrics.py ``load_metrics``). Per schedule
+variant (``ar``; ``sync`` per static γ; ``sync`` per lookahead policy) and load: the system's
+throughput, TPOT and TTFT percentiles, the mean batch, and against `ar` at the same load the
+P50 TPOT (``tpot_speedup``: with open arrivals below saturation every schedule's throughput is
+the offered load, and what speculation changes is each token's latency) and the throughput
+(``load_speedup``). Then the best γ at each load, and the *crossover*: the lowest load from
+which no `sync` variant beats `ar` any more (shorter P50 TPOT without losing throughput:
+speculation stops paying as batching makes the
+target's forwards compute bound and every guess costs real work). Figures: throughput against
+P50 TPOT per variant (the serving trade-off), and speedup against load with the crossover marked.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from testbed.report.context import ReportContext, markdown_table, section
+from testbed.report.style import savefig
+
+
+def load_runs(df: pd.DataFrame) -> pd.DataFrame:
+    """The runs under load with their load axis (``load``) and variant label, one backend each."""
+    if "throughput_tok_s" not in df.columns:
+        return df.iloc[0:0]
+    d = df[df["throughput_tok_s"].notna()].copy()
+    if d.empty:
+        return d
+    by_rate = d["rate"].notna() if "rate" in d.columns else pd.Series(False, index=d.index)
+    d["load"] = d["rate"].where(by_rate, d.get("concurrency"))
+    d["load_kind"] = by_rate.map({True: "requests/s", False: "clients"})
+
+    def variant(r: pd.Series) -> str:
+        if r["schedule"] == "ar":
+            return "ar"
+        if r.get("lookahead", "static") not in (None, "static"):
+            return f"{r['schedule']} {r['lookahead']} (γ≤{int(r['gamma'])})"
+        return f"{r['schedule']} γ={int(r['gamma'])}"
+
+    d["variant"] = d.apply(variant, axis=1)
+    return d.sort_values(["backend", "variant", "load"])
+
+
+THROUGHPUT_SLACK = 0.99  # a variant that loses more than 1 % of ar's throughput does not pay
+
+
+def crossover(d: pd.DataFrame) -> float | None:
+    """The lowest load from which no speculative variant beats `ar` at the same load any more
+    (None: it pays at every load of the grid, or at none). A variant pays where its P50 TPOT is
+    shorter than `ar`'s without giving up throughput: below saturation throughput is the offered
+    load for both, past it the system's capacity, which speculation may lower."""
+    s = d[d["schedule"] != "ar"]
+    pays = ((s["tpot_speedup"] > 1) & (s["load_speedup"].fillna(1.0) >= THROUGHPUT_SLACK)).groupby(s["load"]).any()
+    pays = pays.sort_index()
+    if pays.empty or pays.all() or not pays.any():
+        return None
+    loads = list(pays.index)
+    for i, load in enumerate(loads):
+        if not pays[loads[i:]].any():
+            return float(load)
+    return None
+
+
+@section(38, "Speculation under load")
+def under_load(ctx: ReportContext) -> str:
+    d = load_runs(ctx.df)
+    if d.empty or d["load"].nunique() < 2:
+        return ""
+    out = []
+    for backend, b in d.groupby("backend", sort=False):
+        unit = b["load_kind"].iloc[0]
+        rows = [{"variant": r.variant, f"load ({unit})": r.load, "throughput tok/s": r.throughput_tok_s,
+                 "TPOT p50 ms": r.tpot_ms_p50, "TPOT p90 ms": r.tpot_ms_p90, "TTFT p50 ms": r.ttft_ms_p50,
+                 "mean batch": r.mean_batch, "TPOT × ar": r.tpot_speedup, "throughput × ar": r.load_speedup}
+                for r in b.itertuples()]
+        out.append(f"**{backend}** — every variant at every load:\n\n" + markdown_table(pd.DataFrame(rows)))
+        static = b[(b["schedule"] != "ar") & (b["variant"].str.contains("γ="))]
+        if not static.empty:
+            best = static.loc[static.groupby("load")["tpot_speedup"].idxmax()]
+            out.append("Best static γ per load (by P50 TPOT):\n\n" + markdown_table(pd.DataFrame(
+                [{f"load ({unit})": r.load, "best γ": int(r.gamma), "TPOT p50 ms": r.tpot_ms_p50,
+                  "TPOT × ar": r.tpot_speedup, "throughput × ar": r.load_speedup} for r in best.itertuples()])))
+        x = crossover(b)
+        out.append(f"Speculation stops beating `ar` from a load of **{x:g} {unit}** on." if x is not None else
+                   "No crossover within the grid: speculation pays at every load, or at none.")
+        if ctx.draw:
+            _figures(ctx, b, backend=backend, unit=unit, cross=x)
+    return "\n\n".join(out)
+
+
+def _figures(ctx: ReportContext, b: pd.DataFrame, *, backend: str, unit: str, cross: float | None) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, v in b.groupby("variant", sort=False):
+        v = v.sort_values("load")
+        ax1.plot(v["tpot_ms_p50"], v["throughput_tok_s"], marker="o", label=name)
+        if name != "ar":
+            ax2.plot(v["load"], v["tpot_speedup"], marker="o", label=name)
+    ax1.set_xlabel("TPOT p50 (ms)")
+    ax1.set_ylabel("throughput (output tokens/s)")
+    ax1.set_title("throughput against latency")
+    ax2.axhline(1.0, color="#999999", lw=1)
+    if cross is not None:
+        ax2.axvline(cross, color="#CC0000", ls="--", lw=1, label=f"crossover {cross:g}")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel(f"load ({unit})")
+    ax2.set_ylabel("ar's P50 TPOT / its P50 TPOT, same load")
+    ax2.set_title("speculation's speedup against load")
+    ax2.legend(fontsize=7, loc="best")
+    ax1.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    savefig(fig, ctx.figure_path(f"load_{backend}.png"))
