@@ -22,6 +22,7 @@ from testbed.schedules import (
     spec_of,
     unsupported,
 )
+from testbed.schedules import spec as schedule_spec
 from testbed.spec.lookahead import LOOKAHEADS
 
 
@@ -126,7 +127,9 @@ def _validate_load(exp: ExperimentConfig) -> None:
     spec = spec_of(exp)
     load = f"workload.arrival={w.arrival}" + (f" with workload.concurrency={w.concurrency}" if w.arrival == "closed" else "")
     if not spec.batches:
-        serving = " or ".join(f"schedule={n}" for n in names_where(lambda s: s.batches))
+        batching = [schedule_spec(n) for n in names_where(lambda s: s.batches)]
+        serving = " or ".join(f"schedule={b.schedule}" + (" schedule.tree=true" if b.tree_of else "")
+                              for b in batching)
         raise ConfigError("schedule", spec.name, f"{serving} under load ({load}): only they serve "
                           "batched rounds so far; or serve one request at a time (workload.concurrency=1)")
     if exp.backend != "sim":

@@ -159,7 +159,7 @@ register(ScheduleSpec(
     "sync_tree", TREE, "a draft token tree verified serially, draft and target sharing all "
     "devices (SwiftSpec-base)",
     tree_of="sync", tree=True, reads=_TREES, replays=("sync_tree",),
-    trace_from="sync_tree", timeline=True, color="#000000", modules=_here("sync_tree")))
+    trace_from="sync_tree", batches=True, timeline=True, color="#000000", modules=_here("sync_tree")))
 register(ScheduleSpec(
     "async", TWO_GROUPS, "the draft group grows a tree while the target group verifies the "
     "previous subtree (SwiftSpec 2025)",

@@ -51,17 +51,18 @@ class CostModel(ABC):
             t += self.forward("draft", 1, seq_len + i - 1)
         return t
 
-    def batch_forward(self, role: Role, rows: Sequence[tuple[int, int]]) -> float:
+    def batch_forward(self, role: Role, rows: Sequence[tuple[int, int]], *, tree: bool = False) -> float:
         """Seconds for one forward over several requests at once (continuous batching): ``rows``
         holds each request's (tokens, cached context). The weights are streamed once for all
         rows — the forward of the rows' total tokens over no context — and each request adds its
         own attention over its own cache: its forward's growth from no context to its context.
-        One row is exactly ``forward``."""
+        One row is exactly ``forward`` (``tree``: ``tree_forward``, tree-masked rows)."""
+        fwd = self.tree_forward if tree else self.forward
         if len(rows) == 1:
-            return self.forward(role, rows[0][0], rows[0][1])
-        t = self.forward(role, sum(k for k, _ in rows), 0)
+            return fwd(role, rows[0][0], rows[0][1])
+        t = fwd(role, sum(k for k, _ in rows), 0)
         for tokens, context in rows:
-            t += self.forward(role, tokens, context) - self.forward(role, tokens, 0)
+            t += fwd(role, tokens, context) - fwd(role, tokens, 0)
         return t
 
     def tree_forward(self, role: Role, tokens: int, context: int, alone: bool = False) -> float:

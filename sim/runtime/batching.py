@@ -11,7 +11,11 @@ first (one after the other, the batch waiting), then one round serves every runn
 - ``ar``: one target forward over every request's next token;
 - ``sync``: each request's policy picks its γ (``testbed.spec.lookahead``: per request, so a
   policy may pick by the batch), the draft runs its chain as batched steps (step j serves every
-  request drafting a j-th token), then one target forward verifies every request's window.
+  request drafting a j-th token), then one target forward verifies every request's window;
+- ``sync`` with ``schedule.tree=true`` (the serial tree): every request's tree is expanded d
+  times (and filled to bs nodes) in batched tree-masked draft forwards (expansion j serves every
+  request's j-th), each request selects its subtree, one target forward verifies all subtrees,
+  and the re-roots follow (their bookkeeping serial, one request after another).
 
 Forwards over several requests cost ``CostModel.batch_forward`` (the weights streamed once, each
 request's attention over its own cache). Acceptance is each request's own oracle sequence, as
@@ -45,8 +49,9 @@ class Active:
     req: SimRequest
     arrival_s: float
     admit_s: float
-    seq: Any  # its oracle sequence (sim.oracle.base)
+    seq: Any  # its oracle sequence (sim.oracle.base); None for a tree
     policy: Any = None  # sync: its lookahead policy
+    drafter: Any = None  # the serial tree: its sim.oracle.tree_tokens.TimedTreeDrafter
     seq_len: int = 0  # tokens in the sequence (the target has seq_len - 1 cached)
     pending: int = 1  # sync: tokens the draft feeds before its first guess
     prefill_s: float = 0.0
@@ -67,8 +72,12 @@ def kv_need(req: SimRequest, window: int) -> int:
 
 
 def window_of(exp: Any) -> int:
-    """The verification window a request reserves KV slots for (γ + 1; `ar`: its one token)."""
-    return exp.schedule.gamma + 1 if spec_of(exp).drafts else 1
+    """The verification window a request reserves KV slots for (γ + 1, a tree's bs nodes; `ar`:
+    its one token)."""
+    spec = spec_of(exp)
+    if spec.tree:
+        return exp.schedule.tree_budget
+    return exp.schedule.gamma + 1 if spec.drafts else 1
 
 
 def refuse_oversized(exp: Any, requests: list[SimRequest]) -> None:
@@ -87,7 +96,8 @@ def serve(ctx: SimContext, requests: list[SimRequest], *, arrivals: list[float] 
     """The server: admit, prefill, one batched round; until every request is answered.
     ``arrivals``: each request's arrival time (poisson, trace), else a closed loop."""
     env, exp = ctx.env, ctx.exp
-    drafts, window = spec_of(exp).drafts, window_of(exp)
+    spec, window = spec_of(exp), window_of(exp)
+    drafts = spec.drafts
     budget, max_batch = exp.serving.kv_budget_tokens, exp.serving.max_batch
     waiting: deque[tuple[SimRequest, float]] = deque()
     wake: list[Any] = [None]  # the event an idle server waits on
@@ -119,15 +129,23 @@ def serve(ctx: SimContext, requests: list[SimRequest], *, arrivals: list[float] 
                 and (not budget or kv_used + kv_need(waiting[0][0], window) <= budget):
             req, t = waiting.popleft()
             kv_used += kv_need(req, window)
-            a = Active(req, arrival_s=t, admit_s=env.now, seq=ctx.oracle.sequence(req.request_id, req.prompt_len),
-                       policy=lookahead_for(exp) if drafts else None, seq_len=req.prompt_len)
+            if spec.tree:  # its token source draws the request's oracle sequence itself
+                from sim.oracle.tree_tokens import TimedTreeDrafter, tree_tokens
+
+                a = Active(req, arrival_s=t, admit_s=env.now, seq=None, seq_len=req.prompt_len,
+                           drafter=TimedTreeDrafter(ctx, tree_tokens(ctx, req)))
+            else:
+                a = Active(req, arrival_s=t, admit_s=env.now, seq=ctx.oracle.sequence(req.request_id, req.prompt_len),
+                           policy=lookahead_for(exp) if drafts else None, seq_len=req.prompt_len)
             admitted.append(a)
         if admitted:
             yield from _prefill(ctx, admitted, drafts=drafts)
             running.extend(admitted)
         if not running:
             continue
-        if drafts:
+        if spec.tree:
+            yield from _tree_round(ctx, running, r)
+        elif drafts:
             yield from _sync_round(ctx, running, r)
         else:
             yield from _ar_round(ctx, running, r)
@@ -210,6 +228,59 @@ def _sync_round(ctx: SimContext, running: list[Active], r: int) -> Generator[Any
     rec.span("target", "verify", s + draft_s, env.now, request_id=_one(running), round_idx=r, batch=len(running))
 
 
+def _tree_round(ctx: SimContext, running: list[Active], r: int) -> Generator[Any, Any, None]:
+    env, cost, rec, s = ctx.env, ctx.cost, ctx.rec, ctx.exp.schedule
+    depth = s.tree_depth or s.gamma
+    select_s, reroot_s = cost.tree_round_bookkeeping(running[0].drafter.width)  # (real/calibrate/tree.py)
+    t_round = env.now
+    grown = []  # per request: its expansions, then the fill's (the trees change now, time below)
+    for a in running:
+        core = a.drafter.core
+        steps = []
+        for _ in range(depth):
+            step = core.expand()
+            if step is None:
+                break
+            steps.append(step)
+        grown.append((steps, list(core.fill())))
+
+    def phase(which: int) -> float:  # expansion j of every request that has one: one forward
+        t = 0.0
+        for j in range(max((len(g[which]) for g in grown), default=0)):
+            at = [g[which][j] for g in grown if len(g[which]) > j]
+            t += cost.batch_forward("draft", [(st.n_inputs, st.context_len) for st in at], tree=True) \
+                + sum(cost.tree_expand_extra(len(st.leaves)) for st in at)
+        return t
+
+    draft_s = phase(0)
+    draft_s += phase(1)
+    draft_s += select_s * len(running)
+    picked = [a.drafter.select() for a in running]
+    target_s = cost.batch_forward("target", [(len(b), a.seq_len - 1) for a, (b, _) in zip(running, picked)],
+                                  tree=True)
+    yield env.timeout(draft_s + target_s)
+    for a, (batch, keys) in zip(running, picked):
+        a.start_s = t_round if a.start_s < 0 else a.start_s
+        res = a.drafter.toks.verify(batch, keys)
+        emitted = min(len(res.tokens), a.req.max_new_tokens - a.generated)
+        a.out.extend(res.tokens[:emitted])
+        a.generated += emitted
+        a.seq_len += len(res.tokens)
+        rec.round(request_id=a.req.request_id, round_idx=a.rounds, start_s=t_round, end_s=env.now,
+                  drafted=len(batch) - 1, checked=res.checked, accepted=res.accepted, emitted=emitted,
+                  verified_tokens=len(batch), draft_s=draft_s, target_s=target_s)
+        _first_token(a, env.now)
+        a.drafter.advance(res.tokens)
+    rid, n = _one(running), len(running)
+    rec.span("draft", "draft", t_round, t_round + draft_s, request_id=rid, round_idx=r, batch=n)
+    rec.span("target", "verify", t_round + draft_s, env.now, request_id=rid, round_idx=r, batch=n)
+    if reroot_s > 0.0:  # between rounds: in the requests' decode time, in no round's
+        t = env.now
+        yield env.timeout(reroot_s * n)
+        rec.span("draft", "reroot", t, env.now, request_id=rid, round_idx=r, batch=n)
+    ctx.extra["tree_depth_used"] = depth
+
+
 def _one(running: list[Active]) -> int:
     """A span's request: the one served, or -1 for a batch of several."""
     return running[0].req.request_id if len(running) == 1 else -1
@@ -223,8 +294,10 @@ def _first_token(a: Active, now: float) -> None:
 
 def _record(ctx: SimContext, a: Active) -> None:
     q = a.req
-    # as the one-at-a-time schedules: sync keeps its tokens, ar only an oracle's real ids
+    # as the one-at-a-time schedules: sync keeps its tokens, ar and trees only an oracle's real ids
     ids = a.out if a.policy is not None or ctx.oracle.produces_ids else []
+    if a.drafter is not None:
+        ctx.extra.update(a.drafter.summary_fields())
     ctx.rec.request(RequestRecord(
         request_id=q.request_id, prompt_id=q.prompt_id, prompt_len=q.prompt_len, output_ids=ids,
         generated=a.generated, prefill_s=a.prefill_s, decode_s=ctx.env.now - a.start_s, rounds=a.rounds,

@@ -18,7 +18,9 @@ from __future__ import annotations
 import pandas as pd
 
 from testbed.report.context import ReportContext, markdown_table, section
+from testbed.report.schedule_kinds import chains, drafting, without_draft
 from testbed.report.style import savefig
+from testbed.schedules import names_where
 
 
 def load_runs(df: pd.DataFrame) -> pd.DataFrame:
@@ -32,9 +34,13 @@ def load_runs(df: pd.DataFrame) -> pd.DataFrame:
     d["load"] = d["rate"].where(by_rate, d.get("concurrency"))
     d["load_kind"] = by_rate.map({True: "requests/s", False: "clients"})
 
+    plain, trees = without_draft(), names_where(lambda s: s.tree)
+
     def variant(r: pd.Series) -> str:
-        if r["schedule"] == "ar":
-            return "ar"
+        if r["schedule"] in plain:
+            return str(r["schedule"])
+        if r["schedule"] in trees:
+            return f"{r['schedule']} (d={int(r['gamma'])})"
         if r.get("lookahead", "static") not in (None, "static"):
             return f"{r['schedule']} {r['lookahead']} (γ≤{int(r['gamma'])})"
         return f"{r['schedule']} γ={int(r['gamma'])}"
@@ -51,7 +57,7 @@ def crossover(d: pd.DataFrame) -> float | None:
     (None: it pays at every load of the grid, or at none). A variant pays where its P50 TPOT is
     shorter than `ar`'s without giving up throughput: below saturation throughput is the offered
     load for both, past it the system's capacity, which speculation may lower."""
-    s = d[d["schedule"] != "ar"]
+    s = d[drafting(d)]
     pays = ((s["tpot_speedup"] > 1) & (s["load_speedup"].fillna(1.0) >= THROUGHPUT_SLACK)).groupby(s["load"]).any()
     pays = pays.sort_index()
     if pays.empty or pays.all() or not pays.any():
@@ -76,7 +82,7 @@ def under_load(ctx: ReportContext) -> str:
                  "mean batch": r.mean_batch, "TPOT × ar": r.tpot_speedup, "throughput × ar": r.load_speedup}
                 for r in b.itertuples()]
         out.append(f"**{backend}** — every variant at every load:\n\n" + markdown_table(pd.DataFrame(rows)))
-        static = b[(b["schedule"] != "ar") & (b["variant"].str.contains("γ="))]
+        static = b[b["schedule"].isin(chains()) & b["variant"].str.contains("γ=")]  # static chains
         if not static.empty:
             best = static.loc[static.groupby("load")["tpot_speedup"].idxmax()]
             out.append("Best static γ per load (by P50 TPOT):\n\n" + markdown_table(pd.DataFrame(
@@ -97,7 +103,7 @@ def _figures(ctx: ReportContext, b: pd.DataFrame, *, backend: str, unit: str, cr
     for name, v in b.groupby("variant", sort=False):
         v = v.sort_values("load")
         ax1.plot(v["tpot_ms_p50"], v["throughput_tok_s"], marker="o", label=name)
-        if name != "ar":
+        if drafting(v).all():
             ax2.plot(v["load"], v["tpot_speedup"], marker="o", label=name)
     ax1.set_xlabel("TPOT p50 (ms)")
     ax1.set_ylabel("throughput (output tokens/s)")

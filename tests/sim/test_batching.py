@@ -22,6 +22,7 @@ LOAD_COLUMNS = ["arrival_s", "queue_s", "first_token_s", "finish_s"]
 @pytest.mark.parametrize("overrides", [
     ("schedule=ar",), ("schedule=sync",), ("schedule=sync", "lookahead=heuristic"),
     ("schedule=sync", "acceptance=synthetic", "sampling.temperature=1"),
+    ("schedule=sync", "schedule.tree=true"), ("schedule=sync", "schedule.tree=true", "acceptance=synthetic"),
 ])
 def test_one_closed_loop_client_reproduces_one_request_at_a_time_exactly(overrides: tuple[str, ...]) -> None:
     exp = compose_exp(*overrides, *SMALL)
@@ -74,8 +75,8 @@ def test_outputs_under_batching_equal_each_requests_ar_output() -> None:
     # temperature 0, an oracle with token ids: batched sync and batched ar give every request
     # the output it gets served alone
     alone = {r.request_id: list(r.output_ids) for r in served("schedule=ar", "acceptance=synthetic")[1].itertuples()}
-    for schedule in ("ar", "sync"):
-        _, q, _ = served(f"schedule={schedule}", "acceptance=synthetic", "workload.concurrency=3")
+    for schedule in ("schedule=ar", "schedule=sync", "schedule.tree=true"):
+        _, q, _ = served(schedule, "acceptance=synthetic", "workload.concurrency=3")
         assert {r.request_id: list(r.output_ids) for r in q.itertuples()} == alone
 
 
