@@ -64,6 +64,20 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     t.add_row(fmt(summary["tokens_per_s"], 1), fmt(summary["tpot_ms"], 2), fmt(summary["speedup"], 3),
               fmt(summary["alpha"], 3), fmt(summary["mean_accepted_len"], 3), fmt(summary["prefill_s"], 4))
     Console(width=120).print(t)
+    if summary.get("throughput_tok_s") is not None:  # under load (testbed/arrivals.py)
+        load = (f"{summary['rate']:g} requests/s" if summary.get("rate") is not None
+                else f"{summary.get('concurrency')} clients" if summary.get("concurrency") is not None
+                else "the trace's arrivals")
+        u = Table(title=f"under load: {load}, mean batch {fmt(summary['mean_batch'], 1)}")
+        for col in ("", "mean", "p50", "p90", "p99"):
+            u.add_column(col, justify="right")
+        for key, label in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("e2e_ms", "end-to-end ms")):
+            u.add_row(label, *(fmt(summary[f"{key}_{p}"], 1) for p in ("mean", "p50", "p90", "p99")))
+        Console(width=120).print(u)
+        print(f"throughput {fmt(summary['throughput_tok_s'], 1)} tokens/s ({fmt(summary['load_speedup'], 3)}× ar's "
+              f"at this load; P50 TPOT {fmt(summary['tpot_speedup'], 3)}× shorter), goodput "
+              f"{fmt(summary['goodput_req_s'], 3)} requests/s ({fmt(summary['slo_attainment'], 3)} within the SLOs), "
+              f"queueing {fmt(summary['queue_ms_mean'], 1)} ms on average")
     if summary.get("tree_shape"):  # trees: tokens per verification is the acceptance figure
         print(f"tree {summary['tree_shape']}: {summary['mean_accepted_len']:.3f} tokens per verification")
     if summary.get("pass_at_1") is not None:  # workload.exec_tests=true: HumanEval's tests executed

@@ -152,6 +152,7 @@ def test_what_cannot_serve_load_says_so(overrides: tuple[str, ...], says: str, t
 def test_the_summary_file_holds_the_load_metrics(tmp_path: Path) -> None:
     p = run_cli(*SMALL, "workload.concurrency=2", f"hydra.run.dir={tmp_path}")
     assert p.returncode == 0, p.stderr
+    assert "under load: 2 clients" in p.stdout and "TTFT ms" in p.stdout and "goodput" in p.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["mean_batch"] > 1 and summary["throughput_tok_s"] > 0
     assert set(pd.read_parquet(tmp_path / "timeline.parquet").columns) >= {"batch"}
