@@ -9,7 +9,8 @@ and round. Each span becomes a complete event (``"ph": "X"``, microseconds); eac
 one track, the device groups and stages in one process and the links in another, so a user sees
 the rounds overlap (async), the windows flow through the stages (decentralized) and the messages
 in flight without code. A verification span carries its round's drafted, accepted and emitted
-counts (rounds.parquet) as arguments. Writes ``trace.json`` into each run directory (``--out``:
+counts (rounds.parquet) as arguments; under load the target's forwards also draw a counter
+track of the batch size (``"ph": "C"``: requests per forward over time). Writes ``trace.json`` into each run directory (``--out``:
 one file, for a single run), atomically; prints the paths.
 """
 
@@ -68,6 +69,9 @@ def trace_events(timeline: pd.DataFrame, rounds: pd.DataFrame, *, label: str) ->
         events.append({"ph": "X", "name": str(s.kind), "cat": str(s.kind), "pid": pid[s.resource],
                        "tid": tid[s.resource], "ts": round(s.start_s * 1e6, 3),
                        "dur": round(max(0.0, s.end_s - s.start_s) * 1e6, 3), "args": args})
+        if "batch" in s._fields and s.batch > 1 and s.resource == "target":
+            events.append({"ph": "C", "name": "batch", "pid": DEVICES_PID, "ts": round(s.start_s * 1e6, 3),
+                           "args": {"requests": int(s.batch)}})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"run": label}}
 
 

@@ -87,3 +87,15 @@ def test_bad_input_is_one_line_and_writes_nothing(async_run: Path, tmp_path: Pat
     assert main([str(tmp_path / "two"), "--out", str(out)]) == 2
     assert "2 runs were found" in capsys.readouterr().err
     assert not out.exists() and not list((tmp_path / "two").rglob("trace.json"))
+
+
+def test_under_load_the_batch_size_is_a_counter_track(tmp_path: Path) -> None:
+    exp = compose_exp("schedule=sync", "workload.num_prompts=4", "workload.max_new_tokens=16",
+                      "workload.concurrency=3")
+    write_run(tmp_path / "r", exp, run(exp))
+    assert main([str(tmp_path / "r")]) == 0
+    counters = [e for e in events(tmp_path / "r" / "trace.json") if e["ph"] == "C"]
+    timeline = pd.read_parquet(tmp_path / "r" / "timeline.parquet")
+    batched = timeline[(timeline.resource == "target") & (timeline.batch > 1)]
+    assert len(counters) == len(batched) > 0
+    assert max(e["args"]["requests"] for e in counters) == 3
