@@ -44,6 +44,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 import weakref
 from pathlib import Path
@@ -175,6 +176,9 @@ ARENA_BYTES = 256 << 20  # panels of one model share few arenas; a bigger weight
 _MADV_HUGEPAGE = 14  # linux/mman.h
 HUGE_PAGES = platform.system() == "Linux"  # benchmarks/bench_hugepages.py switches it off to compare
 _arena: list = []  # [the arena being filled (uint8), bytes used]; filled arenas live while their panels do
+# two threads of one process (the schedules' threaded runs: a target and a draft thread) may pack
+# at once; without the lock both could be handed the same bytes of the arena
+_arena_lock = threading.Lock()
 
 
 def _advise_huge(buf: Tensor) -> int:
@@ -202,14 +206,15 @@ def _panel_arena(numel: int, dtype: torch.dtype) -> Tensor:
         off = _advise_huge(buf)
         off = max(off, (-buf.data_ptr()) % 64)
         return buf[off:off + nbytes].view(dtype)[:numel]
-    if not _arena or _arena[1] + nbytes > _arena[0].numel():
-        buf = torch.empty(ARENA_BYTES + HUGE_PAGE, dtype=torch.uint8)
-        off = _advise_huge(buf)
-        off = max(off, (-buf.data_ptr()) % 64)
-        _arena[:] = [buf[off:off + ARENA_BYTES], 0]
-    out = _arena[0][_arena[1]:_arena[1] + nbytes].view(dtype)[:numel]
-    _arena[1] += nbytes
-    return out
+    with _arena_lock:
+        if not _arena or _arena[1] + nbytes > _arena[0].numel():
+            buf = torch.empty(ARENA_BYTES + HUGE_PAGE, dtype=torch.uint8)
+            off = _advise_huge(buf)
+            off = max(off, (-buf.data_ptr()) % 64)
+            _arena[:] = [buf[off:off + ARENA_BYTES], 0]
+        start = _arena[1]
+        _arena[1] += nbytes
+        return _arena[0][start:start + nbytes].view(dtype)[:numel]
 
 
 def packed(weight: Tensor, paired: bool = False) -> Tensor:

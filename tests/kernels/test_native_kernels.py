@@ -258,3 +258,36 @@ def test_batch_invariance(dtype: torch.dtype) -> None:
         tree = model(tokens, torch.arange(9, 13), mask=mask, position_ids=torch.tensor([9, 10, 10, 11]))[0]
         assert torch.equal(tree[0], decoded[0]) and torch.equal(tree[2], decoded[1])
         assert torch.equal(tree[3], decoded[2])
+
+
+def test_threads_packing_at_once_get_disjoint_panels(monkeypatch) -> None:
+    # a target and a draft thread pack their weights at the same time (the threaded schedule
+    # runs): no two panels may share bytes of an arena
+    import sys
+    import threading
+
+    monkeypatch.setattr(native, "HUGE_PAGES", True)
+    monkeypatch.setattr(native, "ARENA_BYTES", 64 << 20)
+    monkeypatch.setattr(native, "_arena", [])
+    spans: list[tuple[int, int]] = []
+    start = threading.Barrier(4)
+
+    def carve() -> None:
+        start.wait()
+        for _ in range(300):
+            p = native._panel_arena(1000, torch.float32)
+            spans.append((p.data_ptr(), p.data_ptr() + 4000))
+
+    threads = [threading.Thread(target=carve) for _ in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    spans.sort()
+    assert len(spans) == 1200
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
