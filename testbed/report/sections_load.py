@@ -75,13 +75,12 @@ def under_load(ctx: ReportContext) -> str:
     if d.empty or d["load"].nunique() < 2:
         return ""
     out = []
-    for backend, b in d.groupby("backend", sort=False):
-        unit = b["load_kind"].iloc[0]
+    for (backend, unit), b in d.groupby(["backend", "load_kind"], sort=False):
         rows = [{"variant": r.variant, f"load ({unit})": r.load, "throughput tok/s": r.throughput_tok_s,
                  "TPOT p50 ms": r.tpot_ms_p50, "TPOT p90 ms": r.tpot_ms_p90, "TTFT p50 ms": r.ttft_ms_p50,
                  "mean batch": r.mean_batch, "TPOT × ar": r.tpot_speedup, "throughput × ar": r.load_speedup}
                 for r in b.itertuples()]
-        out.append(f"**{backend}** — every variant at every load:\n\n" + markdown_table(pd.DataFrame(rows)))
+        out.append(f"**{backend}, load in {unit}** — every variant at every load:\n\n" + markdown_table(pd.DataFrame(rows)))
         static = b[b["schedule"].isin(chains()) & b["variant"].str.contains("γ=")]  # static chains
         if not static.empty:
             best = static.loc[static.groupby("load")["tpot_speedup"].idxmax()]
@@ -118,4 +117,4 @@ def _figures(ctx: ReportContext, b: pd.DataFrame, *, backend: str, unit: str, cr
     ax2.legend(fontsize=7, loc="best")
     ax1.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    savefig(fig, ctx.figure_path(f"load_{backend}.png"))
+    savefig(fig, ctx.figure_path(f"load_{backend}{'_closed' if unit == 'clients' else ''}.png"))

@@ -45,8 +45,14 @@ def test_a_load_sweep_report_shows_variants_best_gamma_and_the_crossover(tmp_pat
         for rate in (1, 64):
             exp = compose_exp(*base, *job, f"workload.rate={rate}")
             write_run(tmp_path / "sweep" / f"{i}_{rate}", exp, run(exp))
+    for job in jobs[:2]:  # closed-loop clients: a load of another kind, its own table
+        for clients in (2, 8):
+            exp = compose_exp(*base[1:], *job, "workload.arrival=closed", f"workload.concurrency={clients}")
+            write_run(tmp_path / "sweep" / f"closed_{job[-1]}_{clients}", exp, run(exp))
     md = build_report([tmp_path / "sweep"], tmp_path / "report").read_text()
     part = md.split("## Speculation under load", 1)[1]
+    assert "**sim, load in requests/s**" in part and "**sim, load in clients**" in part
+    assert (tmp_path / "report" / "load_sim_closed.png").exists()
     for text in ("sync γ=2", "sync γ=4", "sync heuristic (γ≤4)", "Best static γ per load", "TPOT p50 ms"):
         assert text in part, text
     assert "stops beating `ar`" in part or "No crossover" in part
