@@ -242,12 +242,23 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     drafter = TimedTreeDrafter(ctx, tree_tokens(ctx, req))
     rid = req.request_id
 
-    # prefill on both groups at once
     t0 = env.now
     pf_target, pf_draft = cost.prefill("target", req.prompt_len), cost.prefill("draft", req.prompt_len)
-    yield env.timeout(max(pf_target, pf_draft))
-    rec.span("target", "prefill", t0, t0 + pf_target, request_id=rid)
-    rec.span("draft", "prefill", t0, t0 + pf_draft, request_id=rid)
+    if ctx.exp.pair.draft.kind == "eagle":
+        # the head reads the target's features of the prompt: the target prefills, sends them
+        # (real/runtime/async_messages.py: Kind.ACTIVATIONS), then the head feeds its prompt pairs
+        yield env.timeout(pf_target)
+        rec.span("target", "prefill", t0, env.now, request_id=rid)
+        t = ctx.exp.pair.target
+        yield from to_draft.send(features_bytes(req.prompt_len - 1, hidden=t.hidden,
+                                                act_bytes=spec(t.quant).act_bytes), rid)
+        t_features = env.now
+        yield env.timeout(pf_draft)
+        rec.span("draft", "prefill", t_features, env.now, request_id=rid)
+    else:  # prefill on both groups at once
+        yield env.timeout(max(pf_target, pf_draft))
+        rec.span("target", "prefill", t0, t0 + pf_target, request_id=rid)
+        rec.span("draft", "prefill", t0, t0 + pf_draft, request_id=rid)
     prefill_s = env.now - t0
     start = env.now
     target_inbox, draft_inbox = simpy.Store(env), simpy.Store(env)

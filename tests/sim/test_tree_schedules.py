@@ -140,3 +140,24 @@ def test_sampled_trees_run_at_temperature_one() -> None:
         assert len(req["output_ids"][0]) == 40
         assert all(0 <= t < exp.acceptance.vocab for t in req["output_ids"][0])
         assert build_summary(exp, res)["mean_accepted_len"] > 1.2
+
+
+def test_an_eagle_heads_async_starts_after_the_targets_prompt_features_arrive() -> None:
+    """The head reads the target's features: its prefill follows the target's and the message of
+    the prompt's features (as real/runtime/async_messages.py sends it); a separate draft model
+    prefills beside the target."""
+    for pair, eagle in (("llama3_8b+llama3_8b_eagle", True), ("llama3_8b+llama3_2_1b", False)):
+        exp = compose_exp("schedule=async", f"pair={pair}", "hardware=h100x8", "placement.target_gpus=4",
+                          "placement.draft_gpus=4", "workload.num_prompts=1", "workload.max_new_tokens=16",
+                          "network.latency_ms=0")
+        result = run(exp)
+        tl = result.recorder.frames()[2]
+        target = tl[(tl.resource == "target") & (tl.kind == "prefill")].iloc[0]
+        draft = tl[(tl.resource == "draft") & (tl.kind == "prefill")].iloc[0]
+        links = tl[tl.resource.str.startswith("link target")]
+        if eagle:
+            feats = links[links.start_s >= target.end_s - 1e-12].iloc[0]
+            assert feats.start_s == pytest.approx(target.end_s) and draft.start_s == pytest.approx(feats.end_s)
+            assert feats.end_s > feats.start_s  # the prompt's features take wire time
+        else:
+            assert draft.start_s == target.start_s == 0.0
