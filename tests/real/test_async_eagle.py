@@ -35,6 +35,7 @@ from tests.conftest import compose_exp
 from tests.helpers.processes import live_workers
 from tests.helpers.real_models import TINY, tiny
 from tests.helpers.tiny_checkpoint import write_tiny_checkpoint
+from tests.helpers.tree_fakes import Replay, forced_path
 
 two_cores = pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2,
                                reason="needs two cores (one worker per core)")
@@ -130,26 +131,13 @@ def test_async_with_an_eagle_head_equals_greedy_decoding_at_temperature_0(width,
     assert (rounds.verified_tokens > 1).all()
 
 
-def _forced_path(batch, p, greedy, generator=None):  # type: ignore[no-untyped-def]
-    """A verification that accepts the first-drawn child twice (a random head's guesses would
-    all be rejected), then the target's own token: re-roots that move drafted pairs into the prefix."""
-    from testbed.spec.tree_verify import TreeVerifyResult
-
-    path, row = [], 0
-    while len(path) < 2 and batch.children[row]:
-        row = batch.children[row][0]
-        path.append(row)
-    return TreeVerifyResult([batch.node_ids[r] for r in path], [batch.tokens[r] for r in path]
-                            + [int(p[row].argmax())], len(path))
-
-
 def _features_after_reroots(monkeypatch, tamper=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # type: ignore[no-untyped-def]
     """(the draft group's features of the committed prefix and its head's KV of the committed
     pairs, after async rounds that accepted drafted tokens; the same from scratch: the target's
     causal hidden states of the whole committed sequence, and a fresh head fed with them)."""
     from real.model import tree_tokens
 
-    monkeypatch.setattr(tree_tokens, "verify_tree", _forced_path)
+    monkeypatch.setattr(tree_tokens, "verify_tree", forced_path)
     target = tiny(0, WIDE)
     head = EagleHead(target.args).init_random(4)
     req = RealRequest(0, "p", _requests(1, 0)[0].prompt_ids, 14)
@@ -192,19 +180,6 @@ def test_features_one_position_off_in_the_reply_are_caught(monkeypatch) -> None:
 
     got, want = _features_after_reroots(monkeypatch, tamper=shifted)
     assert not torch.allclose(got[0], want[0], atol=1e-3)
-
-
-class Replay:
-    """A peer that hands out the given messages and keeps what it is sent."""
-
-    def __init__(self, msgs: list[Message]) -> None:
-        self.msgs, self.sent = list(msgs), []
-
-    def send(self, msg: Message) -> None:
-        self.sent.append(msg)
-
-    def recv(self) -> Message:
-        return self.msgs.pop(0)
 
 
 def test_a_reply_without_features_stops_the_eagle_draft() -> None:

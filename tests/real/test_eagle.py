@@ -28,6 +28,7 @@ from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams
 from tests.conftest import compose_exp
 from tests.helpers.real_models import TINY, tiny
+from tests.helpers.tree_fakes import forced_path
 
 
 def _ctx(exp, target, draft, params) -> RealContext:  # type: ignore[no-untyped-def]
@@ -96,19 +97,6 @@ def test_the_serial_tree_with_an_eagle_head_equals_ar_at_temperature_0(overrides
     assert (rounds.accepted <= rounds.drafted).all() and (rounds.verified_tokens > 1).all()
 
 
-def _forced_path(batch, p, greedy, generator=None):  # type: ignore[no-untyped-def]
-    """A verification that accepts the first-drawn child twice (a random head's guesses would
-    all be rejected), then the target's own token: re-roots that move drafted pairs into the prefix."""
-    from testbed.spec.tree_verify import TreeVerifyResult
-
-    path, row = [], 0
-    while len(path) < 2 and batch.children[row]:
-        row = batch.children[row][0]
-        path.append(row)
-    return TreeVerifyResult([batch.node_ids[r] for r in path], [batch.tokens[r] for r in path]
-                            + [int(p[row].argmax())], len(path))
-
-
 def test_the_tree_s_prefix_after_reroots_equals_a_recomputation_from_scratch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """After tree rounds (expand, verify, re-root) that accept drafted tokens, the head's KV of
     the committed pairs equals a fresh head's fed the whole sequence with the target's own
@@ -118,7 +106,7 @@ def test_the_tree_s_prefix_after_reroots_equals_a_recomputation_from_scratch(mon
     from real.model.tree_tokens import LocalModel, TargetTreeTokens
     from testbed.spec.tree_drafter import TreeDrafter
 
-    monkeypatch.setattr(tree_tokens, "verify_tree", _forced_path)
+    monkeypatch.setattr(tree_tokens, "verify_tree", forced_path)
 
     params = SamplingParams()
     target = tiny(0)

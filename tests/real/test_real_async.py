@@ -38,6 +38,7 @@ from tests.helpers.real_models import (
     two_token_tv,
 )
 from tests.helpers.tiny_checkpoint import write_tiny_checkpoint
+from tests.helpers.tree_fakes import Replay
 
 two_cores = pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2,
                                reason="needs two cores (one worker per core)")
@@ -353,19 +354,6 @@ def test_draft_cache_after_async_reroots_equals_a_recomputation(walks, depth, wi
                     assert torch.allclose(got, want, atol=1e-5)
     assert len(peer.sent) == len(walks) + 1
     assert [m.version for m in peer.sent] == list(range(len(walks) + 1))
-
-
-class Replay:
-    """A peer that hands out the given messages and keeps what it is sent."""
-
-    def __init__(self, msgs: list[Message]) -> None:
-        self.msgs, self.sent = list(msgs), []
-
-    def send(self, msg: Message) -> None:
-        self.sent.append(msg)
-
-    def recv(self) -> Message:
-        return self.msgs.pop(0)
 
 
 def test_the_target_refuses_a_subtree_rooted_on_a_stale_root() -> None:
