@@ -688,9 +688,22 @@ void attend(const LayerDims& dm, const float* q, const C* kc, const C* vc, const
     }
 }
 
+// The sequences of one call (continuous batching): rows [start[i], start[i + 1]) are sequence i's
+// tokens; it attends over slots [0, kv_len[i]) of KV-cache batch row cache_row[i], through its
+// own mask (mask + mask_off[i], [T_i, kv_len[i]]) or causally by slot (mask_off[i] < 0). The GEMMs
+// see all rows at once (the weights are streamed once for the whole batch); attention stays per
+// sequence, so a row's result is the same bit for bit whatever else shares the call.
+struct Segments {
+    long n;
+    const long* start;      // [n + 1]
+    const long* kv_len;     // [n]
+    const long* cache_row;  // [n]
+    const long* mask_off;   // [n]
+};
+
 template <typename W>
 int layer(const LayerDims& dm, const LayerPtrs& L, const AllReduce& ar, float* h, const long* slots,
-          const float* cos, const float* sin, const uint8_t* mask, long S, long T, int threads) {
+          const float* cos, const float* sin, const uint8_t* mask, const Segments& sg, long T, int threads) {
     const long dim = dm.dim, hq = dm.n_heads, hkv = dm.n_kv_heads, d = dm.head_dim, F = dm.ffn_dim;
     const long nqkv = (hq + 2 * hkv) * d;
     W* xin = scratch<W>(kXin, T * std::max(dim, hq * d));
@@ -701,22 +714,28 @@ int layer(const LayerDims& dm, const LayerPtrs& L, const AllReduce& ar, float* h
     // attention block
     rms_norm_rows<W>(h, static_cast<const W*>(L.attn_norm), xin, T, dim, dm.eps);
     gemm<W, W>(xin, dim, T, static_cast<const W*>(L.wqkv), nqkv, dim, kStore, nullptr, qkv_w, nqkv, threads);
-    for (long t = 0; t < T; ++t) {
-        float* row = qkv + t * nqkv;
-        for (long i = 0; i < nqkv; ++i) row[i] = load_act(qkv_w, t * nqkv + i);
-        for (long hd = 0; hd < hq + hkv; ++hd) rope_head(row + hd * d, cos + t * d, sin + t * d, d);
-        for (long g = 0; g < hkv; ++g) {
-            const long off = (g * dm.max_seq + slots[t]) * d;
-            store_any(dm.cache_dtype, L.k_cache, off, d, row + (hq + g) * d);
-            store_any(dm.cache_dtype, L.v_cache, off, d, row + (hq + hkv + g) * d);
+    const long per_row = hkv * dm.max_seq * d;  // one batch row of the cache
+    for (long i = 0; i < sg.n; ++i)
+        for (long t = sg.start[i]; t < sg.start[i + 1]; ++t) {
+            float* row = qkv + t * nqkv;
+            for (long j = 0; j < nqkv; ++j) row[j] = load_act(qkv_w, t * nqkv + j);
+            for (long hd = 0; hd < hq + hkv; ++hd) rope_head(row + hd * d, cos + t * d, sin + t * d, d);
+            for (long g = 0; g < hkv; ++g) {
+                const long off = sg.cache_row[i] * per_row + (g * dm.max_seq + slots[t]) * d;
+                store_any(dm.cache_dtype, L.k_cache, off, d, row + (hq + g) * d);
+                store_any(dm.cache_dtype, L.v_cache, off, d, row + (hq + hkv + g) * d);
+            }
         }
+    for (long i = 0; i < sg.n; ++i) {
+        const long t0 = sg.start[i], tn = sg.start[i + 1] - t0, S = sg.kv_len[i], c0 = sg.cache_row[i] * per_row;
+        const uint8_t* m = mask && sg.mask_off[i] >= 0 ? mask + sg.mask_off[i] : nullptr;
+        if (dm.cache_dtype == 0)
+            attend<float>(dm, qkv + t0 * nqkv, static_cast<const float*>(L.k_cache) + c0,
+                          static_cast<const float*>(L.v_cache) + c0, slots + t0, m, S, tn, att + t0 * hq * d);
+        else
+            attend<uint16_t>(dm, qkv + t0 * nqkv, static_cast<const uint16_t*>(L.k_cache) + c0,
+                             static_cast<const uint16_t*>(L.v_cache) + c0, slots + t0, m, S, tn, att + t0 * hq * d);
     }
-    if (dm.cache_dtype == 0)
-        attend<float>(dm, qkv, static_cast<const float*>(L.k_cache), static_cast<const float*>(L.v_cache),
-                      slots, mask, S, T, att);
-    else
-        attend<uint16_t>(dm, qkv, static_cast<const uint16_t*>(L.k_cache),
-                         static_cast<const uint16_t*>(L.v_cache), slots, mask, S, T, att);
     for (long i = 0; i < T * hq * d; ++i) store_act(xin, i, att[i]);
     if (const int rc = project_add<W>(ar, xin, T, static_cast<const W*>(L.wo), h, dim, hq * d, threads))
         return rc;
@@ -730,16 +749,20 @@ int layer(const LayerDims& dm, const LayerPtrs& L, const AllReduce& ar, float* h
 
 template <typename W>
 int layers_any(const LayerDims& dm, const LayerPtrs* layers, const AllReduce& ar, int n, void* hio,
-               const long* slots, const void* cos_in, const void* sin_in, const uint8_t* mask, long S,
-               long T, int threads) {
+               const long* slots, const void* cos_in, const void* sin_in, const uint8_t* mask,
+               const Segments& sg, long T, int threads) {
     if (T < 1 || T > kMaxTokens || dm.head_dim > 512 || dm.n_heads % dm.n_kv_heads) return 1;
+    if (sg.n < 1 || sg.start[0] != 0 || sg.start[sg.n] != T) return 1;
+    for (long i = 0; i < sg.n; ++i)
+        if (sg.start[i + 1] <= sg.start[i] || sg.kv_len[i] < 1 || sg.kv_len[i] > dm.max_seq || sg.cache_row[i] < 0)
+            return 1;
     const long dim = dm.dim, d = dm.head_dim;
     std::vector<float> h(T * dim), cos(T * d), sin(T * d);
     load_any(dm.dtype, hio, T * dim, h.data());
     load_any(dm.dtype, cos_in, T * d, cos.data());
     load_any(dm.dtype, sin_in, T * d, sin.data());
     for (int l = 0; l < n; ++l) {
-        if (const int rc = layer<W>(dm, layers[l], ar, h.data(), slots, cos.data(), sin.data(), mask, S, T, threads))
+        if (const int rc = layer<W>(dm, layers[l], ar, h.data(), slots, cos.data(), sin.data(), mask, sg, T, threads))
             return rc;  // hio untouched: the caller raises (the ranks are out of step now)
         if (dm.dtype != 0 && l + 1 < n)  // the residual in the activations' type between layers
             for (long i = 0; i < T * dim; ++i) h[i] = bf16_to_f32(f32_to_bf16(h[i]));
@@ -798,9 +821,27 @@ int sb_layers(const LayerDims* dims, const LayerPtrs* layers, int n, void* hio, 
               const void* cos, const void* sin, const uint8_t* mask, long S, long T, int threads,
               AllReduceFn allreduce, void* ctx) {
     const AllReduce ar{allreduce, ctx};
+    const long start[2] = {0, T}, kv_len[1] = {S}, cache_row[1] = {0}, mask_off[1] = {mask ? 0 : -1};
+    const Segments sg{1, start, kv_len, cache_row, mask_off};
     return dims->dtype == 0
-               ? layers_any<float>(*dims, layers, ar, n, hio, slots, cos, sin, mask, S, T, threads)
-               : layers_any<uint16_t>(*dims, layers, ar, n, hio, slots, cos, sin, mask, S, T, threads);
+               ? layers_any<float>(*dims, layers, ar, n, hio, slots, cos, sin, mask, sg, T, threads)
+               : layers_any<uint16_t>(*dims, layers, ar, n, hio, slots, cos, sin, mask, sg, T, threads);
+}
+
+// sb_layers over the rows of several sequences (continuous batching; see Segments): n_seq
+// sequences, start [n_seq + 1], kv_len / cache_row / mask_off [n_seq]; mask: every masked
+// sequence's [T_i, kv_len_i] mask at its offset (or null when none is masked). The caches of
+// ``layers`` point at batch row 0 of [max_batch, n_kv_heads, max_seq, head_dim].
+int sb_layers_batch(const LayerDims* dims, const LayerPtrs* layers, int n, void* hio, const long* slots,
+                    const void* cos, const void* sin, const uint8_t* mask, long n_seq, const long* start,
+                    const long* kv_len, const long* cache_row, const long* mask_off, int threads,
+                    AllReduceFn allreduce, void* ctx) {
+    const AllReduce ar{allreduce, ctx};
+    const Segments sg{n_seq, start, kv_len, cache_row, mask_off};
+    const long T = n_seq > 0 ? start[n_seq] : 0;
+    return dims->dtype == 0
+               ? layers_any<float>(*dims, layers, ar, n, hio, slots, cos, sin, mask, sg, T, threads)
+               : layers_any<uint16_t>(*dims, layers, ar, n, hio, slots, cos, sin, mask, sg, T, threads);
 }
 
 long sb_max_tokens() { return kMaxTokens; }

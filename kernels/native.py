@@ -133,6 +133,8 @@ def _load() -> ctypes.CDLL | None:
         "sb_swiglu": ([i32, ptr, ptr, ptr, i64, i64, i64, i32], i32),
         "sb_layers": ([ctypes.POINTER(_LayerDims), ctypes.POINTER(_LayerPtrs), i32, ptr, ptr,
                        ptr, ptr, ptr, i64, i64, i32, ptr, ptr], i32),
+        "sb_layers_batch": ([ctypes.POINTER(_LayerDims), ctypes.POINTER(_LayerPtrs), i32, ptr, ptr,
+                             ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr, ptr], i32),
         "sb_token_features": ([ptr, i64, i64, i32, ptr], i32),
         "sb_max_tokens": ([], i64),
         "sb_fma_peak": ([ctypes.c_double], ctypes.c_double),
@@ -396,6 +398,50 @@ def decode_layers(model, lo: int, hi: int, h: Tensor, *, cos: Tensor, sin: Tenso
                         kv_len, t, torch.get_num_threads(), ar_fn, ar_ctx)
     if rc > 1:  # the all-reduce failed mid-way: the ranks are out of step, falling back would hang
         raise allreduce.error(rc)
+    return out if rc == 0 else None
+
+
+def batch_layers(model, h: Tensor, *, cos: Tensor, sin: Tensor, slots: Tensor, starts: list[int],
+                 kv_lens: list[int], cache_rows: list[int], masks: list[Tensor | None]) -> Tensor | None:
+    """All the layers of ``model`` on the rows of several sequences at once (continuous batching):
+    ``h [1, R, dim]``, rows ``starts[i]:starts[i + 1]`` of sequence i, written at ``slots`` of
+    KV-cache batch row ``cache_rows[i]``, attending over its slots ``[0, kv_lens[i])`` through
+    ``masks[i]`` (bool ``[T_i, kv_lens[i]]``) or causally (None). None where the native path does
+    not apply (the caller runs the rows op by op): R > ``MAX_TOKENS``, tensor parallel, autograd."""
+    if _LIB is None or h.device.type != "cpu" or h.dim() != 3 or h.shape[0] != 1:
+        return None
+    if getattr(model, "tp_allreduce", None) is not None or (torch.is_grad_enabled() and model.norm.requires_grad):
+        return None
+    t = h.shape[1]
+    if t > MAX_TOKENS or h.dtype not in _CODES or cos.dtype != h.dtype:
+        return None
+    lo, hi = 0, model.args.n_layers
+    packed = _pack(model, lo, hi)
+    if packed is None or _CODES[h.dtype] != packed[1].dtype:
+        return None
+    layers, dims = packed
+    n = len(kv_lens)
+    offsets, parts, off = [], [], 0
+    for i, m in enumerate(masks):
+        if m is None:
+            offsets.append(-1)
+            continue
+        rows = starts[i + 1] - starts[i]
+        if m.dtype != torch.bool or tuple(m.shape[-2:]) != (rows, kv_lens[i]) or m.numel() != rows * kv_lens[i]:
+            return None
+        offsets.append(off)
+        parts.append(m.reshape(-1))
+        off += m.numel()
+    mask = torch.cat(parts).contiguous() if parts else None
+    ints = torch.tensor([*starts, *kv_lens, *cache_rows, *offsets], dtype=torch.long)
+    out = h.clone(memory_format=torch.contiguous_format)
+    slots = slots.to(torch.long).contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    base, step = ints.data_ptr(), ints.element_size()
+    rc = _LIB.sb_layers_batch(ctypes.byref(dims), layers, hi - lo, out.data_ptr(), slots.data_ptr(),
+                              cos.data_ptr(), sin.data_ptr(), None if mask is None else mask.data_ptr(), n,
+                              base, base + step * (n + 1), base + step * (2 * n + 1), base + step * (3 * n + 1),
+                              torch.get_num_threads(), None, None)
     return out if rc == 0 else None
 
 

@@ -132,12 +132,31 @@ def _validate_load(exp: ExperimentConfig) -> None:
                               for b in batching)
         raise ConfigError("schedule", spec.name, f"{serving} under load ({load}): only they serve "
                           "batched rounds so far; or serve one request at a time (workload.concurrency=1)")
-    if exp.backend != "sim":
-        raise ConfigError("backend", exp.backend, f"sim under load ({load}): the real backend serves one "
-                          "request at a time so far (workload.arrival=closed workload.concurrency=1)")
+    if exp.backend == "real":
+        _validate_real_load(exp, spec, load)
     if exp.placement.nodes > 1:
         raise ConfigError("placement.nodes", exp.placement.nodes, f"1 under load ({load}): a pipeline "
                           "over nodes serves one request at a time")
+
+
+def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type: ignore[no-untyped-def]
+    """What real/runtime/batching.py serves: `ar` and the chain of `sync` with a draft model or
+    prompt lookup, in one process."""
+    if spec.tree or exp.schedule.tree:
+        raise ConfigError("schedule.tree", True, f"false under load ({load}) on backend=real: the batched "
+                          "real rounds serve chains so far (the serial tree under load: backend=sim)")
+    kind = exp.pair.draft.kind
+    if spec.drafts and kind not in ("transformer", "ngram"):
+        raise ConfigError("pair.draft.kind", kind, f"transformer or ngram under load ({load}) on backend=real: "
+                          f"a {kind} draft shares the target's forward, which the batched rounds do not run")
+    if spec.drafts and exp.lookahead.policy == "oracle":
+        raise ConfigError("lookahead.policy", "oracle", f"another policy under load ({load}) on backend=real: "
+                          "the oracle's untimed reference continuation cannot run beside the wall clock")
+    pl = exp.placement
+    if pl.target_gpus > 1 or (spec.drafts and pl.draft_gpus > 1):
+        raise ConfigError("placement.target_gpus" if pl.target_gpus > 1 else "placement.draft_gpus",
+                          max(pl.target_gpus, pl.draft_gpus), f"1 under load ({load}) on backend=real: "
+                          "the batched rounds run in one process (no tensor parallelism)")
 
 
 def validate(exp: ExperimentConfig) -> ExperimentConfig:

@@ -76,37 +76,59 @@ class _ForwardDraft(Draft):
     @torch.inference_mode()
     def propose(self, ids: list[int], gamma: int, gen: torch.Generator | None,
                 policy: LookaheadPolicy | None = None) -> tuple[list[int], torch.Tensor]:
-        feed, pos = ids[self.cached:], self.cached
-        self._base = len(ids)
-        guesses: list[int] = []
-        qs = []
-        self.last_features, self.last_dropped = [], 0
-        want = self.record_features or (policy is not None and policy.needs_features)
-        cheap = not self.record_features and policy is not None and policy.chosen_only
-        for i in range(gamma):
-            logits = self._logits(feed, pos)
-            q = standardize(logits, self.params)
-            t = int(q.argmax()) if self.params.greedy else sample(q, gen)
-            feats = draft_token_features(logits, t, chosen_only=cheap) if want else None
-            if feats is not None:
-                self.last_features.append(feats)
-            pos += len(feed)
-            feed = [t]
-            decision = _decide(policy, feats, position=i + 1, slot=len(ids) + i, token=t)
-            if decision is Decision.DROP:
-                self.last_dropped = 1
-                break
-            guesses.append(t)
-            qs.append(q)
-            if decision is Decision.STOP:
-                break
-        # ids plus every guess but the last were fed (a dropped guess never was)
-        self.cached = pos
-        return guesses, torch.stack(qs) if qs else torch.zeros(0, self.vocab)
+        window = ChainWindow(self, ids, gamma, gen, policy)
+        while (feed := window.next_feed()) is not None:
+            window.take(self._logits(*feed))
+        return window.result()
 
     def commit(self, ids: list[int], accepted: int, proposed: int) -> None:
         # the last guess was never fed; accepted guesses beyond the cached ones are pending
         self.cached = min(self.cached, self._base + accepted) if proposed else self.cached
+
+
+class ChainWindow:
+    """One window of a forward draft, a forward at a time: ``next_feed`` says what the next
+    forward feeds (tokens, first slot), ``take`` gives it that forward's logits of the last fed
+    token, ``result`` ends the window. ``_ForwardDraft.propose`` drives one; the batched rounds
+    (real/runtime/batching.py) drive one per request and serve all their feeds in one forward."""
+
+    def __init__(self, draft: _ForwardDraft, ids: list[int], gamma: int, gen: torch.Generator | None,
+                 policy: LookaheadPolicy | None) -> None:
+        self.draft, self.ids, self.gamma, self.gen, self.policy = draft, ids, gamma, gen, policy
+        self.feed, self.pos = ids[draft.cached:], draft.cached
+        draft._base = len(ids)
+        self.guesses: list[int] = []
+        self.qs: list[torch.Tensor] = []
+        draft.last_features, draft.last_dropped = [], 0
+        self.want = draft.record_features or (policy is not None and policy.needs_features)
+        self.cheap = not draft.record_features and policy is not None and policy.chosen_only
+        self.done = gamma < 1
+
+    def next_feed(self) -> tuple[list[int], int] | None:
+        return None if self.done else (self.feed, self.pos)
+
+    def take(self, logits: torch.Tensor) -> None:
+        d, i = self.draft, len(self.guesses)
+        q = standardize(logits, d.params)
+        t = int(q.argmax()) if d.params.greedy else sample(q, self.gen)
+        feats = draft_token_features(logits, t, chosen_only=self.cheap) if self.want else None
+        if feats is not None:
+            d.last_features.append(feats)
+        self.pos += len(self.feed)
+        self.feed = [t]
+        decision = _decide(self.policy, feats, position=i + 1, slot=len(self.ids) + i, token=t)
+        if decision is Decision.DROP:
+            d.last_dropped = 1
+            self.done = True
+            return
+        self.guesses.append(t)
+        self.qs.append(q)
+        self.done = decision is Decision.STOP or len(self.guesses) >= self.gamma
+
+    def result(self) -> tuple[list[int], torch.Tensor]:
+        # ids plus every guess but the last were fed (a dropped guess never was)
+        self.draft.cached = self.pos
+        return self.guesses, torch.stack(self.qs) if self.qs else torch.zeros(0, self.draft.vocab)
 
 
 class ModelDraft(_ForwardDraft):

@@ -24,6 +24,10 @@ class RealRequest:
     prompt_ids: list[int]
     max_new_tokens: int
 
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
 
 @dataclass
 class RealContext:

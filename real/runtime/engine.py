@@ -32,6 +32,7 @@ from real.runtime.layouts import RUNNERS, Runner
 from real.runtime.loading import build_requests, load, make_draft, model_device, prepare_graphs
 from real.runtime.telemetry import Telemetry, run_files
 from real.schedules import get_schedule
+from testbed.arrivals import under_load
 from testbed.config import ExperimentConfig, as_dict, real_dtype
 from testbed.placement import Placement
 from testbed.recorder import RunRecorder, RunResult
@@ -83,10 +84,17 @@ def serve(exp: ExperimentConfig, schedule: str, target: Transformer, draft: Draf
     with _progress(total, progress, f"real {schedule}") as bar:
         ctx = RealContext(exp, TargetRunner(target, params), draft, rec, eos, params, bar.update,
                           time.perf_counter())
-        for i, req in enumerate(requests):
-            if probe is not None:
-                probe.take(i)
-            serve_one(ctx, req)
+        if under_load(exp.workload):  # continuous batching (real/runtime/batching.py)
+            from real.runtime.batching import serve_batched
+
+            if probe is not None:  # the machine as the run finds it, once: the requests overlap
+                probe.take(0)
+            serve_batched(ctx, requests, max_seq=cache_slots(exp, requests)[0])
+        else:
+            for i, req in enumerate(requests):
+                if probe is not None:
+                    probe.take(i)
+                serve_one(ctx, req)
     if extra is not None:
         extra.update(ctx.extra)
         extra.update(probe.fields() if probe is not None else {})
@@ -96,6 +104,9 @@ def serve(exp: ExperimentConfig, schedule: str, target: Transformer, draft: Draf
 def baseline_key(exp: ExperimentConfig, requests: list[RealRequest]) -> str:
     key = {"target": as_dict(exp.pair.target), "real": as_dict(exp.real), "sampling": as_dict(exp.sampling),
            "seed": exp.seed, "requests": [(r.prompt_id, r.prompt_ids, r.max_new_tokens) for r in requests]}
+    if under_load(exp.workload):  # `ar` at the same load
+        w = exp.workload
+        key["load"] = [w.arrival, w.concurrency, w.rate, w.trace_path, as_dict(exp.serving)]
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -167,4 +167,15 @@ def build_requests(exp: ExperimentConfig, tokenizer: Tokenizer, max_context: int
                 f"and schedule.gamma={exp.schedule.gamma} it needs {need} positions but the target's "
                 f"context is {max_context}: lower workload.max_new_tokens or choose shorter prompts")
         out.append(RealRequest(i, p.id, ids, w.max_new_tokens))
+    if w.arrival == "trace":  # one request per row: the prompts cycled, the row's output length
+        from testbed.arrivals import read_trace
+
+        rows = read_trace(w.trace_path)
+        out = [RealRequest(i, out[i % len(out)].prompt_id, out[i % len(out)].prompt_ids, row.output_tokens)
+               for i, row in enumerate(rows)]
+        for r in out:
+            if r.prompt_len + r.max_new_tokens + exp.schedule.gamma + 1 > max_context:
+                raise RealSetupError(f"trace row {r.request_id + 1}: prompt {r.prompt_id} ({r.prompt_len} tokens) "
+                                     f"+ output_tokens {r.max_new_tokens} exceed the target's context "
+                                     f"({max_context}): shorten the trace's output_tokens")
     return out

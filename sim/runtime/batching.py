@@ -1,11 +1,9 @@
 """Serving under load in the simulator: arrivals, admission and continuous batching.
 
 Requests arrive as ``workload.arrival`` says (testbed/arrivals.py) and wait in one first-come,
-first-served queue. Between rounds (iteration-level scheduling, as vLLM and SGLang do) the
-server admits waiting requests while the batch holds fewer than ``serving.max_batch`` and their
-KV reservations fit ``serving.kv_budget_tokens``; a request reserves its prompt, its
-``max_new_tokens`` and one verification window (γ + 1) at admission and frees them when done,
-so admission alone keeps the cache within its budget. Newly admitted requests are prefilled
+first-served queue; between rounds (iteration-level scheduling, as vLLM and SGLang do) the
+server admits waiting requests within ``serving.max_batch`` and ``serving.kv_budget_tokens``
+(testbed/admission.py, the real backend's rule too). Newly admitted requests are prefilled
 first (one after the other, the batch waiting), then one round serves every running request:
 
 - ``ar``: one target forward over every request's next token;
@@ -35,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sim.runtime.context import SimContext, SimRequest
+from testbed.admission import Admission
 from testbed.arrivals import poisson_times
-from testbed.config import ConfigError
 from testbed.recorder import RequestRecord
 from testbed.schedules import spec_of
 from testbed.spec.lookahead import lookahead_for
@@ -66,44 +64,18 @@ class Active:
         return self.generated >= self.req.max_new_tokens
 
 
-def kv_need(req: SimRequest, window: int) -> int:
-    """KV slots a request reserves from admission: its prompt, its output, one window."""
-    return req.prompt_len + req.max_new_tokens + window
-
-
-def window_of(exp: Any) -> int:
-    """The verification window a request reserves KV slots for (γ + 1, a tree's bs nodes; `ar`:
-    its one token)."""
-    spec = spec_of(exp)
-    if spec.tree:
-        return exp.schedule.tree_budget
-    return exp.schedule.gamma + 1 if spec.drafts else 1
-
-
-def refuse_oversized(exp: Any, requests: list[SimRequest]) -> None:
-    """A request whose reservation exceeds ``serving.kv_budget_tokens`` could never be admitted:
-    one ``ConfigError`` naming it, before anything runs (SimPy would re-raise it without text)."""
-    budget, window = exp.serving.kv_budget_tokens, window_of(exp)
-    for req in requests:
-        if budget and kv_need(req, window) > budget:
-            raise ConfigError("serving.kv_budget_tokens", budget, f"at least {kv_need(req, window)}: request "
-                              f"{req.request_id} ({req.prompt_id}) needs its prompt ({req.prompt_len}) + "
-                              f"max new tokens ({req.max_new_tokens}) + one window ({window}) of KV slots")
-
-
 def serve(ctx: SimContext, requests: list[SimRequest], *, arrivals: list[float] | None = None,
           ) -> Generator[Any, Any, None]:
     """The server: admit, prefill, one batched round; until every request is answered.
     ``arrivals``: each request's arrival time (poisson, trace), else a closed loop."""
     env, exp = ctx.env, ctx.exp
-    spec, window = spec_of(exp), window_of(exp)
+    spec = spec_of(exp)
     drafts = spec.drafts
-    budget, max_batch = exp.serving.kv_budget_tokens, exp.serving.max_batch
-    waiting: deque[tuple[SimRequest, float]] = deque()
+    queue = Admission(exp)
     wake: list[Any] = [None]  # the event an idle server waits on
 
     def arrive(req: SimRequest) -> None:
-        waiting.append((req, env.now))
+        queue.arrive(req, env.now)
         if wake[0] is not None and not wake[0].triggered:
             wake[0].succeed()
 
@@ -119,16 +91,13 @@ def serve(ctx: SimContext, requests: list[SimRequest], *, arrivals: list[float] 
                 arrive(req)
         env.process(timed())
     running: list[Active] = []
-    kv_used, finished, r = 0, 0, 0
+    finished, r = 0, 0
     while finished < len(requests):
-        if not running and not waiting:
+        if not running and not queue.waiting:
             wake[0] = env.event()
             yield wake[0]
         admitted = []
-        while waiting and (not max_batch or len(running) + len(admitted) < max_batch) \
-                and (not budget or kv_used + kv_need(waiting[0][0], window) <= budget):
-            req, t = waiting.popleft()
-            kv_used += kv_need(req, window)
+        for req, t in queue.admit(len(running)):
             if spec.tree:  # its token source draws the request's oracle sequence itself
                 from sim.oracle.tree_tokens import TimedTreeDrafter, tree_tokens
 
@@ -152,7 +121,7 @@ def serve(ctx: SimContext, requests: list[SimRequest], *, arrivals: list[float] 
         r += 1
         for a in [a for a in running if a.done]:
             running.remove(a)
-            kv_used -= kv_need(a.req, window)
+            queue.release(a.req)
             finished += 1
             _record(ctx, a)
             if arrivals is None and unsent:

@@ -74,7 +74,8 @@ def simulate(exp: ExperimentConfig, requests: list[SimRequest], *, seed: int,
             yield env.process(schedule(ctx, req))
 
     if under_load(exp.workload) if batched is None else batched:
-        from sim.runtime.batching import arrival_times, refuse_oversized, serve
+        from sim.runtime.batching import arrival_times, serve
+        from testbed.admission import refuse_oversized
 
         refuse_oversized(exp, requests)
         env.process(serve(ctx, requests, arrivals=arrival_times(ctx, len(requests))))

@@ -1,0 +1,249 @@
+"""Serving under load on the real backend: arrivals on the wall clock, admission and continuous
+batching (the mirror of sim/runtime/batching.py).
+
+Requests arrive as ``workload.arrival`` says (testbed/arrivals.py: a closed loop of clients,
+seeded Poisson arrivals, a trace), wait in the FCFS queue of testbed/admission.py and join the
+batch between rounds within ``serving.max_batch`` and ``serving.kv_budget_tokens``. Every request
+in flight owns a batch row of the target's KV cache (and of the draft's): one cache with a batch
+dimension, indexed by slot as at batch 1 (real/model/batch.py; why not paged: a row costs
+``max_seq`` slots whether used or not, and at this testbed's batch sizes and contexts the rows
+of the bundled pair take tens of MB, while a page table would put an indirection into every
+attention read of the native kernels). Newly admitted requests are prefilled first, one after
+the other (the batch waits), then one round serves every running request:
+
+- ``ar``: one target forward over every request's next token;
+- ``sync``: each request's lookahead policy picks its γ, the draft runs every request's chain
+  window as batched steps (step j feeds every request still drafting), then one target forward
+  verifies every request's window and each request accepts with
+  testbed.spec.speculative.speculative_step, drawing from its own generator.
+
+A request's logits in a batch equal its logits served alone (real/model/batch.py), and it draws
+from its own seeded generator in the same order, so each request's output under load equals its
+output served alone, at any temperature. Recorded as in the simulator: requests.parquet with
+arrival, queueing, first and last token; a rounds.parquet row per round and request (the batch's
+draft and target times); timeline spans with the batch size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from real.model.batch import CacheRows, Feed, forward_batch
+from real.model.drafts import ChainWindow, Draft, ModelDraft, NgramDraft
+from real.runtime.context import RealContext, RealRequest, finish
+from testbed.admission import Admission
+from testbed.arrivals import poisson_times, read_trace
+from testbed.recorder import RequestRecord
+from testbed.spec.lookahead import lookahead_for
+from testbed.spec.sampling import sample, standardize
+from testbed.spec.speculative import speculative_step
+
+
+@dataclass
+class Active:
+    """One admitted request's state between rounds."""
+
+    req: RealRequest
+    arrival_s: float
+    admit_s: float
+    row: int
+    gen: torch.Generator
+    ids: list[int]
+    draft: Draft | None = None  # its own draft state (sharing the draft's model)
+    draft_row: int = 0
+    policy: Any = None
+    prefill_s: float = 0.0
+    start_s: float = -1.0
+    first_token_s: float = float("nan")
+    rounds: int = 0
+    out: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+def batch_rows(exp: Any, n_requests: int) -> int:
+    """Requests that can be in flight at once: the KV-cache rows to allocate."""
+    w, cap = exp.workload, exp.serving.max_batch or n_requests
+    most = min(w.concurrency, n_requests) if w.arrival == "closed" else n_requests
+    return max(1, min(cap, most))
+
+
+def arrival_offsets(exp: Any, n: int) -> list[float] | None:
+    """Each request's arrival after the run's start (poisson: from the run's seed, as in the
+    simulator), None for a closed loop."""
+    w = exp.workload
+    if w.arrival == "poisson":
+        return poisson_times(n, w.rate, exp.seed)
+    if w.arrival == "trace":
+        return [row.arrival_s for row in read_trace(w.trace_path)][:n]
+    return None
+
+
+@torch.inference_mode()
+def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int) -> None:
+    """Serve ``requests`` under the run's load until every one is answered."""
+    exp = ctx.exp
+    target = ctx.target.model
+    rows = batch_rows(exp, len(requests))
+    target_rows = CacheRows(target, rows, max_seq)
+    draft_model = ctx.draft.model if isinstance(ctx.draft, ModelDraft) else None
+    draft_rows = CacheRows(draft_model, rows, max_seq) if draft_model is not None else None
+    queue = Admission(exp)
+    t_start = ctx.now()
+    offsets = arrival_offsets(exp, len(requests))
+    unsent = list(requests)
+    timed = [t_start + t for t in offsets] if offsets is not None else []
+    if offsets is None:  # closed loop: each client sends its next prompt when its last is done
+        for _ in range(min(exp.workload.concurrency, len(unsent))):
+            queue.arrive(unsent.pop(0), t_start)
+    running: list[Active] = []
+    finished, r = 0, 0
+    while finished < len(requests):
+        while timed and unsent and timed[0] <= ctx.now():
+            queue.arrive(unsent.pop(0), timed.pop(0))
+        if not running and not queue.waiting:
+            time.sleep(max(0.0, timed[0] - ctx.now()))  # idle until the next arrival
+            continue
+        admitted = [_admit(ctx, req, t, target_rows, draft_rows) for req, t in queue.admit(len(running))]
+        running.extend(admitted)
+        if not running:
+            continue
+        if ctx.draft is None:
+            _ar_round(ctx, running, r)
+        else:
+            _sync_round(ctx, running, r, draft_model)
+        r += 1
+        for a in [a for a in running if a.done]:
+            running.remove(a)
+            queue.release(a.req)
+            target_rows.release(a.row)
+            if draft_rows is not None:
+                draft_rows.release(a.draft_row)
+            finished += 1
+            _record(ctx, a)
+            if offsets is None and unsent:
+                queue.arrive(unsent.pop(0), ctx.now())
+
+
+def _admit(ctx: RealContext, req: RealRequest, arrived: float, target_rows: CacheRows,
+           draft_rows: CacheRows | None) -> Active:
+    """Prefill a request into its own cache rows (one request at a time, the batch waiting)."""
+    rid, ids = req.request_id, list(req.prompt_ids)
+    a = Active(req, arrival_s=arrived, admit_s=ctx.now(), row=target_rows.acquire(),
+               gen=ctx.generator(rid), ids=ids)
+    s = ctx.now()
+    target_rows.prefill(a.row, ids[:-1])
+    m = ctx.now()
+    ctx.rec.span("target", "prefill", s, m, request_id=rid)
+    if ctx.draft is not None:
+        a.policy = lookahead_for(ctx.exp)
+        a.draft = _request_draft(ctx.draft)
+        if draft_rows is not None:
+            a.draft_row = draft_rows.acquire()
+            draft_rows.prefill(a.draft_row, ids[:-1])
+            a.draft.cached = len(ids) - 1
+            ctx.rec.span("draft", "prefill", m, ctx.now(), request_id=rid)
+    a.prefill_s = ctx.now() - s
+    return a
+
+
+def _request_draft(draft: Draft) -> Draft:
+    """A request's own draft state: its cache position and last window (the model is shared)."""
+    if isinstance(draft, ModelDraft):
+        mine: Draft = ModelDraft(draft.model, draft.params, draft.name)
+    elif isinstance(draft, NgramDraft):
+        mine = NgramDraft(draft.ngram, draft.vocab)
+    else:  # testbed.config_validate refuses the others under load
+        raise TypeError(f"draft {draft.name} cannot serve batched rounds")
+    mine.record_features = draft.record_features
+    return mine
+
+
+def _ar_round(ctx: RealContext, running: list[Active], r: int) -> None:
+    s = ctx.now()
+    logits = forward_batch(ctx.target.model, [Feed(a.row, [a.ids[-1]], len(a.ids) - 1) for a in running])
+    tokens = []
+    for a, lg in zip(running, logits):
+        p = standardize(lg, ctx.params)[0]
+        tokens.append(int(p.argmax()) if ctx.params.greedy else sample(p, a.gen))
+    e = ctx.now()
+    for a, t in zip(running, tokens):
+        a.start_s = s if a.start_s < 0 else a.start_s
+        a.ids.append(t)
+        a.out, a.done = finish(a.out, [t], a.req.max_new_tokens, ctx.eos)
+        ctx.rec.round(request_id=a.req.request_id, round_idx=a.rounds, start_s=s, end_s=e, drafted=0,
+                      checked=0, accepted=0, emitted=1, verified_tokens=1, draft_s=0.0, target_s=e - s)
+        _first_token(a, e)
+        ctx.on_tokens(1)
+    ctx.rec.span("target", "decode", s, e, request_id=_one(running), round_idx=r, batch=len(running))
+
+
+def _sync_round(ctx: RealContext, running: list[Active], r: int, draft_model: Any) -> None:
+    s = ctx.now()
+    windows: list[ChainWindow | None] = []
+    proposals: list[tuple[list[int], torch.Tensor] | None] = []
+    for a in running:
+        gamma = a.policy.next_gamma()
+        if isinstance(a.draft, ModelDraft):
+            windows.append(ChainWindow(a.draft, a.ids, gamma, a.gen, a.policy))
+            proposals.append(None)
+        else:  # a lookup: no forward
+            windows.append(None)
+            proposals.append(a.draft.propose(a.ids, gamma, a.gen, a.policy))
+    while True:  # step j: one draft forward over every request still drafting
+        step = [(a, w, w.next_feed()) for a, w in zip(running, windows) if w is not None and w.next_feed() is not None]
+        if not step:
+            break
+        logits = forward_batch(draft_model, [Feed(a.draft_row, toks, pos) for a, _, (toks, pos) in step])
+        for (_, w, _), lg in zip(step, logits):
+            w.take(lg[-1])
+    proposals = [w.result() if w is not None else p for w, p in zip(windows, proposals)]
+    m = ctx.now()
+    logits = forward_batch(ctx.target.model, [Feed(a.row, [a.ids[-1], *g], len(a.ids) - 1)
+                                              for a, (g, _) in zip(running, proposals)])
+    steps = [speculative_step(standardize(lg, ctx.params), q, draft_tokens=torch.tensor(g, dtype=torch.long),
+                              generator=a.gen) for a, (g, q), lg in zip(running, proposals, logits)]
+    e = ctx.now()
+    features = ctx.rec.extra_round_columns.setdefault("draft_features", [])
+    forwards = 0
+    for a, (g, _), st in zip(running, proposals, steps):
+        a.start_s = s if a.start_s < 0 else a.start_s
+        n, k = st.accepted, len(g)
+        a.ids.extend(st.tokens)
+        a.draft.commit(a.ids, n, k)
+        before = len(a.out)
+        a.out, a.done = finish(a.out, st.tokens, a.req.max_new_tokens, ctx.eos)
+        a.policy.observe(k, n)
+        features.append([x for row in a.draft.last_features for x in row])
+        forwards += 0 if isinstance(a.draft, NgramDraft) else k + a.draft.last_dropped
+        ctx.rec.round(request_id=a.req.request_id, round_idx=a.rounds, start_s=s, end_s=e, drafted=k,
+                      checked=n + (n < k), accepted=n, emitted=len(a.out) - before, verified_tokens=k + 1,
+                      draft_s=m - s, target_s=e - m)
+        _first_token(a, e)
+        ctx.on_tokens(len(a.out) - before)
+    ctx.extra["draft_forwards"] = ctx.extra.get("draft_forwards", 0) + forwards
+    ctx.rec.span("draft", "draft", s, m, request_id=_one(running), round_idx=r, batch=len(running))
+    ctx.rec.span("target", "verify", m, e, request_id=_one(running), round_idx=r, batch=len(running))
+
+
+def _one(running: list[Active]) -> int:
+    """A span's request: the one served, or -1 for a batch of several."""
+    return running[0].req.request_id if len(running) == 1 else -1
+
+
+def _first_token(a: Active, now: float) -> None:
+    a.rounds += 1
+    if a.rounds == 1:
+        a.first_token_s = now
+
+
+def _record(ctx: RealContext, a: Active) -> None:
+    q = a.req
+    ctx.rec.request(RequestRecord(
+        request_id=q.request_id, prompt_id=q.prompt_id, prompt_len=len(q.prompt_ids), output_ids=a.out,
+        generated=len(a.out), prefill_s=a.prefill_s, decode_s=ctx.now() - a.start_s, rounds=a.rounds,
+        arrival_s=a.arrival_s, queue_s=a.admit_s - a.arrival_s, first_token_s=a.first_token_s,
+        finish_s=ctx.now()))

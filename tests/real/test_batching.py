@@ -1,0 +1,188 @@
+"""backend=real under load: batched forwards equal batch-1 forwards, every request's output
+under continuous batching equals its output served alone (temperature 0: `ar`'s; temperature 1:
+its own seeded draws), the batched sampler samples the target's distribution, and the rounds
+never exceed serving.max_batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import native
+from real.model.batch import CacheRows, Feed, forward_batch
+from real.model.decoder import ModelArgs, Transformer
+from real.model.drafts import ModelDraft, NgramDraft
+from real.model.runners import TargetRunner
+from real.runtime.batching import serve_batched
+from real.runtime.context import RealContext, RealRequest
+from real.schedules.ar import serve_ar
+from real.schedules.sync import serve_sync
+from testbed.recorder import RunRecorder
+from testbed.spec.sampling import SamplingParams, standardize
+from tests.conftest import compose_exp
+from tests.helpers.real_models import TINY, tiny
+
+SMALL = ModelArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48, vocab_size=TINY.vocab_size,
+                  rope_theta=10000.0, max_seq_len=64)
+
+
+def _ctx(exp, target, draft, params) -> RealContext:  # type: ignore[no-untyped-def]
+    return RealContext(exp, TargetRunner(target, params), draft, RunRecorder(), frozenset(), params,
+                       lambda n: None, 0.0)
+
+
+def _requests(n: int, *, lengths: bool = True) -> list[RealRequest]:
+    gen = torch.Generator().manual_seed(1)
+    return [RealRequest(i, f"p{i}", torch.randint(0, TINY.vocab_size, (3 + 4 * (i % 4),), generator=gen).tolist(),
+                        8 + 5 * (i % 3) if lengths else 12) for i in range(n)]
+
+
+def _alone(exp, target, draft, params, serve, reqs) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    target.setup_cache(64)
+    if isinstance(draft, ModelDraft):
+        draft.model.setup_cache(64)
+    ctx = _ctx(exp, target, draft, params)
+    for r in reqs:
+        serve(ctx, r)
+    return [r["output_ids"] for r in ctx.rec.requests]
+
+
+def _batched(exp, target, draft, params, reqs) -> RealContext:  # type: ignore[no-untyped-def]
+    ctx = _ctx(exp, target, draft, params)
+    serve_batched(ctx, reqs, max_seq=64)
+    return ctx
+
+
+def _by_request(ctx: RealContext) -> list[list[int]]:
+    return [r["output_ids"] for r in sorted(ctx.rec.requests, key=lambda r: r["request_id"])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_forward_equals_each_request_alone(dtype: torch.dtype) -> None:
+    """Rows of several requests (different lengths, slots, a tree mask) in one forward give each
+    request the logits of its own forward: bit for bit on the native path, close op by op."""
+    model = tiny(0).to(dtype)
+    alone = tiny(0).to(dtype)
+    alone.setup_cache(64)
+    rows = CacheRows(model, 3, 64)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 30))]
+    feeds_tokens = [[11, 12, 13], [5, 6, 7, 8], [40, 41]]
+    mask = torch.ones(4, 3 + 4, dtype=torch.bool).tril(diagonal=3)
+    mask[3, 5] = False  # a tree: node 3 does not see node 2
+    feeds = []
+    for p, toks in zip(prompts, feeds_tokens):
+        row = rows.acquire()
+        rows.prefill(row, p)
+        feeds.append(Feed(row, toks, len(p), mask=mask if len(toks) == 4 else None))
+    got = forward_batch(model, feeds)
+    for p, f, g in zip(prompts, feeds, got):
+        alone.truncate(0)
+        alone(torch.tensor([p]), input_pos=0)
+        want = alone(torch.tensor([f.tokens]), input_pos=len(p), mask=f.mask)[0]
+        if native.AVAILABLE:
+            assert torch.equal(g, want)
+        assert torch.allclose(g, want, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    if native.AVAILABLE:  # the op-by-op path (off the CPU; the oracle) computes the same
+        native.AVAILABLE = False
+        try:
+            for p, f in zip(prompts, feeds):
+                rows.prefill(f.row, p)
+            ref = forward_batch(model, feeds)
+        finally:
+            native.AVAILABLE = True
+        for g, r in zip(got, ref):
+            assert torch.allclose(g, r, atol=5e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_more_rows_than_one_native_call_split_exactly() -> None:
+    """A batch over more rows than one native call takes is split into groups, still exact."""
+    model = tiny(0)
+    rows = CacheRows(model, 24, 64)
+    feeds = []
+    for i in range(24):
+        row = rows.acquire()
+        rows.prefill(row, [i % 90 + 1, 3, 4])
+        feeds.append(Feed(row, [5, 6, 7 + i % 5], 3))
+    got = forward_batch(model, feeds)
+    alone = tiny(0)
+    alone.setup_cache(64)
+    for i, g in enumerate(got):
+        alone.truncate(0)
+        alone(torch.tensor([[i % 90 + 1, 3, 4]]), input_pos=0)
+        want = alone(torch.tensor([feeds[i].tokens]), input_pos=3)[0]
+        assert torch.equal(g, want) if native.AVAILABLE else torch.allclose(g, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("load", [("workload.concurrency=3",), ("workload.arrival=poisson", "workload.rate=400")])
+@pytest.mark.parametrize("draft", [None, "model", "ngram"])
+def test_temperature_0_outputs_under_batching_equal_ar_alone(load: tuple[str, ...], draft: str | None) -> None:
+    """Requests of different prompt and output lengths join and leave the batch; each answer is
+    the one `ar` gives it served alone."""
+    params = SamplingParams()
+    target = tiny(0)
+    reqs = _requests(7)
+    exp = compose_exp("schedule.gamma=3", *load)
+    ar = _alone(exp, target, None, params, serve_ar, reqs)
+    d = {"model": ModelDraft(tiny(3, SMALL), params, "tiny"), "ngram": NgramDraft(2, TINY.vocab_size)}.get(draft)
+    ctx = _batched(exp, target, d, params, reqs)
+    assert _by_request(ctx) == ar
+    _, requests, timeline = ctx.rec.frames()[:3]
+    assert timeline["batch"].max() > 1  # requests really shared rounds
+    assert (requests.first_token_s >= requests.arrival_s + requests.queue_s).all()
+    assert (requests.finish_s >= requests.first_token_s).all()
+
+
+def test_rounds_never_exceed_max_batch_and_queue_waits() -> None:
+    params = SamplingParams()
+    exp = compose_exp("workload.concurrency=5", "serving.max_batch=2", "schedule.gamma=2")
+    ctx = _batched(exp, tiny(0), ModelDraft(tiny(3, SMALL), params, "tiny"), params, _requests(6))
+    _, requests, timeline = ctx.rec.frames()[:3]
+    assert timeline["batch"].max() == 2
+    assert (requests.queue_s > 0).sum() >= 3  # five clients, two rows: three waited
+
+
+def test_temperature_1_batched_draws_equal_each_request_served_alone() -> None:
+    """Each request draws from its own seeded generator in the same order as served alone."""
+    params = SamplingParams(temperature=1.0)
+    target = tiny(0)
+    reqs = _requests(6)
+    exp = compose_exp("schedule.gamma=3", "workload.concurrency=4")
+    draft = ModelDraft(tiny(3, SMALL), params, "tiny")
+    alone = _alone(exp, target, draft, params, serve_sync, reqs)
+    ctx = _batched(exp, target, ModelDraft(draft.model, params, "tiny"), params, reqs)
+    assert _by_request(ctx) == alone
+
+
+def test_batched_sync_samples_the_target_distribution_at_temperature_1() -> None:
+    """Two-token continuations served 8 at a time: the empirical distribution matches the
+    target's exact one within a fixed TV tolerance (the draft is far from the target)."""
+    vocab = 4
+    args = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=vocab,
+                     rope_theta=10000.0, max_seq_len=16)
+    target = Transformer(args).init_random(11, std=0.8)
+    draft_model = Transformer(args).init_random(12, std=0.8)
+    params = SamplingParams(temperature=1.0)
+    prompt = [0, 1, 2]
+
+    def dist(model: Transformer) -> torch.Tensor:  # exact P(x1, x2 | prompt)
+        model.setup_cache()
+        with torch.inference_mode():
+            p1 = standardize(model(torch.tensor([prompt]), input_pos=0)[0, -1], params)
+            out = torch.zeros(vocab, vocab)
+            for a in range(vocab):
+                out[a] = p1[a] * standardize(model(torch.tensor([[a]]), input_pos=len(prompt))[0, -1], params)
+        return out.flatten()
+
+    p_exact, q_exact = dist(target), dist(draft_model)
+    assert 0.5 * (p_exact - q_exact).abs().sum() > 0.25  # the test has power
+    n = 2000
+    exp = compose_exp("schedule.gamma=3", "seed=5", "workload.concurrency=8")
+    ctx = _batched(exp, target, ModelDraft(draft_model, params, "q"), params,
+                   [RealRequest(i, "p", prompt, 2) for i in range(n)])
+    counts = torch.zeros(vocab * vocab)
+    for r in ctx.rec.requests:
+        a, b = r["output_ids"]
+        counts[a * vocab + b] += 1
+    tv = 0.5 * (counts / n - p_exact).abs().sum()
+    assert tv < 0.06, tv  # E[TV] of 2000 exact samples over 16 outcomes is ≈ 0.035
+    assert ctx.rec.frames()[2]["batch"].max() == 8
