@@ -107,6 +107,10 @@ SMOKE: dict[str, Smoke] = {
     "python -m testbed backend=real pair=smollm2_135m+ngram3 workload=mtbench sampling.temperature=1":
         Smoke("real", REAL, slow=True),
     "python -m testbed backend=real schedule.tree=true": Smoke("real", REAL, slow=True),
+    # two clients, three prompts: a batch of two, then one joining as another leaves
+    "python -m testbed backend=real schedule=sync workload.concurrency=4 workload.num_prompts=8 workload.max_new_tokens=32":
+        Smoke("real", ("workload.concurrency=2", "workload.num_prompts=3", "workload.max_new_tokens=6",
+                       "real.progress=false"), stdout="under load: 2 clients", slow=True),
     "python -m testbed backend=real schedule.tree=true placement.target_gpus=2 placement.draft_gpus=2":
         Smoke("real", REAL, slow=True),
     "torchrun --standalone --nproc-per-node 2 -m testbed backend=real placement.target_gpus=2 "

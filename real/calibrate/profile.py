@@ -10,6 +10,8 @@ for greedy (temperature 0: argmax) and sampled (softmax + draw over the vocabula
   early-exit layers, prompt lookup, small models whose weights exist): one forward + the pick
   of its guess at k = 1..4 tokens and the same contexts, its prefill, or for prompt lookup the
   whole ``propose`` per context length;
+- batched forwards (continuous batching): B requests x k tokens at one context, per model
+  (real/calibrate/batch.py);
 - forward latency at every TP degree the machine allows (1 and 2 on two cores), chain- and
   tree-shaped, all-reduce latency against size and the round trip between two pinned workers
   (real/calibrate/tp.py; ``tp=False`` skips it);
@@ -68,12 +70,16 @@ class Grid:
     repeats: int = 7  # interleaved passes over every probe; the median is kept
     message_bytes: list[int] = field(default_factory=lambda: [4, 1024, 16384, 262144, 1048576, 4194304])
     message_repeats: int = 20
+    batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # continuous batching
+    batch_target_k: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
+    batch_draft_k: list[int] = field(default_factory=lambda: [1, 2])
 
     @classmethod
     def quick(cls) -> Grid:
         """A tiny grid for tests."""
         return cls(target_k=[1, 2, 4], draft_k=[1, 2], context=[16, 48], prompt_len=[8, 32],
-                   gammas=[1, 4], repeats=2, message_bytes=[], message_repeats=0)
+                   gammas=[1, 4], repeats=2, message_bytes=[], message_repeats=0, batches=[1, 2],
+                   batch_target_k=[1, 2], batch_draft_k=[1])
 
 
 class Probes:
@@ -284,6 +290,13 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, *, grid: Grid 
             )
             add_tree_tables(models, drafts_to_measure(exp), dtypes[real_dtype(exp)], log=log)
             add_ngram_tree_tables(models, drafts_to_measure(exp), target.args.vocab_size, log=log)
+            from real.calibrate.batch import add_batch_tables  # continuous batching
+
+            batched = {t.name: ("target", target)}
+            for d in drafts_to_measure(exp):
+                if d.kind == "transformer" and d.name in models:
+                    batched[d.name] = ("draft", _make_draft(exp, d, target, tokenizer, params=SamplingParams()).model)
+            add_batch_tables(models, batched, probes=Probes(), grid=grid, log=log)
             _log_tables(models, log)
             threads = torch.get_num_threads()
     finally:

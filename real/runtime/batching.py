@@ -107,7 +107,9 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
         if not running and not queue.waiting:
             time.sleep(max(0.0, timed[0] - ctx.now()))  # idle until the next arrival
             continue
-        admitted = [_admit(ctx, req, t, target_rows, draft_rows) for req, t in queue.admit(len(running))]
+        now = ctx.now()  # admitted together, then prefilled one after the other
+        admitted = [_admit(ctx, req, arrived=t, admitted=now, target_rows=target_rows, draft_rows=draft_rows)
+                    for req, t in queue.admit(len(running))]
         running.extend(admitted)
         if not running:
             continue
@@ -128,11 +130,11 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
                 queue.arrive(unsent.pop(0), ctx.now())
 
 
-def _admit(ctx: RealContext, req: RealRequest, arrived: float, target_rows: CacheRows,
-           draft_rows: CacheRows | None) -> Active:
+def _admit(ctx: RealContext, req: RealRequest, *, arrived: float, admitted: float,
+           target_rows: CacheRows, draft_rows: CacheRows | None) -> Active:
     """Prefill a request into its own cache rows (one request at a time, the batch waiting)."""
     rid, ids = req.request_id, list(req.prompt_ids)
-    a = Active(req, arrival_s=arrived, admit_s=ctx.now(), row=target_rows.acquire(),
+    a = Active(req, arrival_s=arrived, admit_s=admitted, row=target_rows.acquire(),
                gen=ctx.generator(rid), ids=ids)
     s = ctx.now()
     target_rows.prefill(a.row, ids[:-1])

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,8 @@ class ProfileCost(CostModel):
         self.degree = tp_degrees(exp)
         self._factor: dict[str, ShapeFactor | None] = {}
         self._tree_draft: TreeDraftForward | None = None  # a transformer draft's tree forward
+        # batched forwards (real/calibrate/batch.py): (seconds over (k per request, B), their context)
+        self._batch: dict[str, tuple[Table2D, int]] = {}
         self.warm_draft = 1.0  # a draft step after a draft step, over one alone (run_probe sets it)
         # async: the groups run concurrently; factor against k with the other group busy
         self._contended: dict[str, tuple[list[float], list[float]]] = {}
@@ -206,6 +209,10 @@ class ProfileCost(CostModel):
                 mode, CALIBRATE_CMD)
         self.sampling_extra_s[role] = extra or 0.0
         self._factor[role] = self._bind_tp(role, m)
+        if m.get("batch") and self.degree[role] == 1:
+            b = self._by_temp(m["batch"])  # Table2D's second axis holds the batch sizes here
+            self._batch[role] = (Table2D({"k": b["k"], "context": b["batch"], "seconds": b["seconds"]}),
+                                 int(b["context"]))
         forward = self._forward[role]
         if role == "draft" and m.get("kind") == "transformer" and m.get("tp") and isinstance(forward, Table2D):
             self._tree_draft = TreeDraftForward(forward, m["tp"], self.degree[role])
@@ -318,6 +325,27 @@ class ProfileCost(CostModel):
         if _raw:
             return t
         return t * self.role_scale(role, tokens)
+
+    def batch_forward(self, role: Role, rows: Sequence[tuple[int, int]], *, tree: bool = False) -> float:
+        """A forward over several requests from the batched tables where the profile has them
+        (real/calibrate/batch.py: B requests x k tokens at one context, interpolated at the
+        batch's mean tokens per request), plus each request's attention beyond that context from
+        the one-request table, and per request Algorithm 1 (the target; `ar`: its pick); without
+        them the additive model of ``CostModel.batch_forward``."""
+        batched = self._batch.get(role)
+        if batched is None or tree or len(rows) == 1:
+            return super().batch_forward(role, rows, tree=tree)
+        table, context = batched
+        one = self._forward[role]
+        total = sum(k for k, _ in rows)
+        t = table(total / len(rows), len(rows))
+        t += sum(one(k, c) - one(k, context) for k, c in rows)
+        if role == "target":
+            t += sum(self._pick if self._accept is None else self._accept(k) for k, _ in rows)
+        t += (total if role == "target" else len(rows)) * self.sampling_extra_s.get(role, 0.0)
+        # the machine's drift at the forward's rows (sim.profile_drift=run_probe measures it per k:
+        # a batch of many rows is compute bound like a long verification, unlike one token)
+        return t * self.role_scale(role, total)
 
     def draft_chain(self, pending: int, forwards: int, seq_len: int, _raw: bool = False) -> float:
         """A chain draft phase, its steps after the first at ``warm_draft`` times the table's:

@@ -21,6 +21,7 @@ from testbed.report.context import ReportContext, markdown_table, section
 from testbed.report.schedule_kinds import chains, drafting, without_draft
 from testbed.report.style import savefig
 from testbed.schedules import names_where
+from testbed.workloads import TRACE_SPLITS
 
 
 def load_runs(df: pd.DataFrame) -> pd.DataFrame:
@@ -72,9 +73,13 @@ def crossover(d: pd.DataFrame) -> float | None:
 @section(38, "Speculation under load")
 def under_load(ctx: ReportContext) -> str:
     d = load_runs(ctx.df)
+    if "workload_split" in d.columns:  # a validation's trace runs are the prediction's inputs
+        d = d[~((d["backend"] == "real") & d["workload_split"].isin(TRACE_SPLITS))]
     if d.empty or d["load"].nunique() < 2:
         return ""
     out = []
+    if set(d["backend"]) >= {"sim", "real"}:
+        out.append(predicted_beside_measured(d))
     for (backend, unit), b in d.groupby(["backend", "load_kind"], sort=False):
         rows = [{"variant": r.variant, f"load ({unit})": r.load, "throughput tok/s": r.throughput_tok_s,
                  "TPOT p50 ms": r.tpot_ms_p50, "TPOT p90 ms": r.tpot_ms_p90, "TTFT p50 ms": r.ttft_ms_p50,
@@ -82,6 +87,7 @@ def under_load(ctx: ReportContext) -> str:
                 for r in b.itertuples()]
         out.append(f"**{backend}, load in {unit}** — every variant at every load:\n\n" + markdown_table(pd.DataFrame(rows)))
         static = b[b["schedule"].isin(chains()) & b["variant"].str.contains("γ=")]  # static chains
+        static = static[static["tpot_speedup"].notna()]
         if not static.empty:
             best = static.loc[static.groupby("load")["tpot_speedup"].idxmax()]
             out.append("Best static γ per load (by P50 TPOT):\n\n" + markdown_table(pd.DataFrame(
@@ -95,6 +101,33 @@ def under_load(ctx: ReportContext) -> str:
     return "\n\n".join(out)
 
 
+def predicted_beside_measured(d: pd.DataFrame) -> str:
+    """Per variant and load run on both backends: throughput and TPOT predicted (sim) beside
+    measured (real) with the signed error, and each backend's crossover."""
+    key = ["variant", "load_kind", "load"]
+    cols = ["throughput_tok_s", "tpot_ms_p50", "tpot_ms_p90"]
+    both = d[d["backend"] == "sim"].groupby(key)[cols].mean().join(
+        d[d["backend"] == "real"].groupby(key)[cols].mean(), lsuffix="_sim", rsuffix="_real", how="inner")
+    if both.empty:
+        return ""
+    rows = []
+    for (variant, unit, load), r in both.iterrows():
+        row = {"variant": variant, "load": f"{load:g} {unit}"}
+        for c, name in zip(cols, ("throughput tok/s", "TPOT p50 ms", "TPOT p90 ms")):
+            sim, real = r[f"{c}_sim"], r[f"{c}_real"]
+            row[f"{name} sim"], row[f"{name} real"] = sim, real
+            row[f"{name} err %"] = 100.0 * (sim - real) / real if real else float("nan")
+        rows.append(row)
+    lines = ["**Predicted beside measured** (sim = `backend=sim`, real = `backend=real`, the same "
+             "variant and load):\n", markdown_table(pd.DataFrame(rows), floatfmt="{:.1f}")]
+    for unit, b in d.groupby("load_kind"):
+        x = {backend: crossover(g) for backend, g in b.groupby("backend")}
+        if "sim" in x and "real" in x:
+            say = {k: f"{v:g} {unit}" if v is not None else "none in the grid" for k, v in x.items()}
+            lines.append(f"Crossover ({unit}): predicted {say['sim']}, measured {say['real']}.")
+    return "\n\n".join(lines)
+
+
 def _figures(ctx: ReportContext, b: pd.DataFrame, *, backend: str, unit: str, cross: float | None) -> None:
     import matplotlib.pyplot as plt
 
@@ -102,7 +135,7 @@ def _figures(ctx: ReportContext, b: pd.DataFrame, *, backend: str, unit: str, cr
     for name, v in b.groupby("variant", sort=False):
         v = v.sort_values("load")
         ax1.plot(v["tpot_ms_p50"], v["throughput_tok_s"], marker="o", label=name)
-        if drafting(v).all():
+        if drafting(v).all() and v["tpot_speedup"].notna().any():
             ax2.plot(v["load"], v["tpot_speedup"], marker="o", label=name)
     ax1.set_xlabel("TPOT p50 (ms)")
     ax1.set_ylabel("throughput (output tokens/s)")
@@ -110,7 +143,8 @@ def _figures(ctx: ReportContext, b: pd.DataFrame, *, backend: str, unit: str, cr
     ax2.axhline(1.0, color="#999999", lw=1)
     if cross is not None:
         ax2.axvline(cross, color="#CC0000", ls="--", lw=1, label=f"crossover {cross:g}")
-    ax2.set_xscale("log", base=2)
+    if ax2.get_lines()[1:] or cross is not None:  # beyond the reference line (no `ar`: no speedups)
+        ax2.set_xscale("log", base=2)
     ax2.set_xlabel(f"load ({unit})")
     ax2.set_ylabel("ar's P50 TPOT / its P50 TPOT, same load")
     ax2.set_title("speculation's speedup against load")

@@ -30,11 +30,25 @@ from testbed.report.validate_sampling import sizing_lines
 from testbed.results import Run
 from testbed.workloads import TRACE_SPLITS
 
-METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len", "ar_tokens_per_s", "speedup")
-PARITY_METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len")
-# validation.csv's rows: a decentralized point is also its links and τ (`+sweep=wan`), "-" otherwise
-VJOIN = (*JOIN, "dsd_point")
+# under load (testbed.metrics.load_metrics) also the system's throughput and the P50/P90 TPOT
+LOAD_METRICS = ("throughput_tok_s", "tpot_ms_p50", "tpot_ms_p90")
+METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len", "ar_tokens_per_s", "speedup", *LOAD_METRICS)
+PARITY_METRICS = ("tokens_per_s", "tpot_ms", "mean_accepted_len", *LOAD_METRICS)
+# validation.csv's rows: a decentralized point is also its links and τ (`+sweep=wan`), a point
+# under load its arrivals, "-" otherwise
+VJOIN = (*JOIN, "dsd_point", "load_point")
 TARGET_MEDIAN, TARGET_WORST, TARGET_P90 = 5.0, 15.0, 10.0
+# under load: median |error| of throughput and P50 TPOT, and of P90 TPOT
+TARGET_LOAD, TARGET_LOAD_P90_TPOT = 5.0, 10.0
+
+
+def load_point(summary: dict) -> str:
+    arrival = summary.get("arrival")
+    if not arrival:
+        return "-"
+    if arrival == "closed":
+        return f"{summary.get('concurrency')} clients"
+    return f"poisson {summary.get('rate')}/s" if arrival == "poisson" else "trace"
 
 
 def dsd_point(summary: dict) -> str:
@@ -54,7 +68,8 @@ def validation_frame(runs: list[Run]) -> pd.DataFrame:
         if s["backend"] == "real" and split in TRACE_SPLITS:
             continue  # the prediction's inputs, not something to predict
         rows.append({**{k: s.get(k) for k in JOIN if k != "split"}, "split": split,
-                     "family": family(s), "dsd_point": dsd_point(s), "backend": s["backend"],
+                     "family": family(s), "dsd_point": dsd_point(s), "load_point": load_point(s),
+                     "backend": s["backend"],
                      **{m: s.get(m) for m in METRICS}})
     if not rows:
         return pd.DataFrame()
@@ -270,6 +285,14 @@ def validation(ctx: ReportContext) -> str:
         lines.append(f"**tokens/s: median |error| {med:.1f} %, worst |error| {worst:.1f} %** over "
                      f"{int(tps['experiments'].iloc[0])} experiments — target ≤ {TARGET_MEDIAN:g} % / "
                      f"≤ {TARGET_WORST:g} %: {'met' if ok else 'NOT met'}.\n")
+    load = error_stats(val[val["metric"].isin(LOAD_METRICS)])
+    if len(load):
+        med = dict(zip(load["metric"], load["median_abs_error_pct"]))
+        ok = all(med.get(m, 0.0) <= TARGET_LOAD for m in LOAD_METRICS[:2]) \
+            and med.get("tpot_ms_p90", 0.0) <= TARGET_LOAD_P90_TPOT
+        lines.append("**Under load: median |error| " + ", ".join(f"{m} {v:.1f} %" for m, v in med.items())
+                     + f"** — target ≤ {TARGET_LOAD:g} % (throughput, P50 TPOT), ≤ {TARGET_LOAD_P90_TPOT:g} % "
+                     f"(P90 TPOT): {'met' if ok else 'NOT met'}.\n")
     lines.append("error_pct = 100·(predicted − measured)/measured; predicted = `backend=sim`, "
                  "measured = `backend=real`, joined on the experiment key and prompt split "
                  "(written to `validation.csv`).\n")
@@ -350,6 +373,7 @@ def missing_files_note(missing: list[str], val: pd.DataFrame) -> str:
 def validation_key(run: Run) -> tuple:
     """A run's row key in validation.csv (experiment key, prompt split, DSD point)."""
     s = run.summary
-    key = {**{k: s.get(k) for k in JOIN if k != "split"}, "split": run_split(run), "dsd_point": dsd_point(s)}
+    key = {**{k: s.get(k) for k in JOIN if k != "split"}, "split": run_split(run), "dsd_point": dsd_point(s),
+           "load_point": load_point(s)}
     key["temperature"] = float(key["temperature"]) if key["temperature"] is not None else None
     return tuple("-" if key[k] is None else key[k] for k in VJOIN)

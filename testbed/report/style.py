@@ -66,7 +66,7 @@ HUMAN = {
     "own_acceptance_worst_abs_pct": "own acceptance: worst abs. error %",
     "standalone_error_pct": "standalone error %", "rescaled_error_pct": "rescaled error %",
     "own_acceptance_error_pct": "own acceptance error %",
-    "dsd_point": "DSD point", "mean_accepted_len err %": "accepted len err %",
+    "dsd_point": "DSD point", "load_point": "load", "mean_accepted_len err %": "accepted len err %",
     "tokens_per_s err %": "tokens/s err %", "tpot_ms err %": "TPOT err %",
 }
 

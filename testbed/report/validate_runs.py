@@ -21,10 +21,12 @@ def run_split(run: Run) -> str:
 
 def family(summary: dict) -> str:
     """The schedule family a run belongs to: `sync` (chain), `sync_tree` (serial tree),
-    `async`, `decentralized`, `ar` — with its lookahead policy when that is not static."""
+    `async`, `decentralized`, `ar` — with its lookahead policy when that is not static, and
+    "under load" for a run of many requests in flight."""
     name = str(summary.get("schedule"))
     policy = summary.get("lookahead")
-    return f"{name}+{policy}" if policy and policy != "static" and name not in without_draft() else name
+    out = f"{name}+{policy}" if policy and policy != "static" and name not in without_draft() else name
+    return f"{out} under load" if summary.get("arrival") else out  # testbed/arrivals.py
 
 
 def measured_with_source(runs: list[Run], val: pd.DataFrame, schedules: tuple[str, ...] | None = None

@@ -5,6 +5,8 @@ never exceed serving.max_batch."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from real.schedules.ar import serve_ar
 from real.schedules.sync import serve_sync
 from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams, standardize
-from tests.conftest import compose_exp
+from tests.conftest import compose_exp, run_cli
 from tests.helpers.real_models import TINY, tiny
 
 SMALL = ModelArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48, vocab_size=TINY.vocab_size,
@@ -186,3 +188,16 @@ def test_batched_sync_samples_the_target_distribution_at_temperature_1() -> None
     tv = 0.5 * (counts / n - p_exact).abs().sum()
     assert tv < 0.06, tv  # E[TV] of 2000 exact samples over 16 outcomes is ≈ 0.035
     assert ctx.rec.frames()[2]["batch"].max() == 8
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (("schedule=sync", "schedule.tree=true"), "schedule.tree"),
+    (("schedule=sync", "pair.draft.kind=early_exit", "pair.draft.exit_layer=8"), "pair.draft.kind"),
+    (("schedule=sync", "lookahead.policy=oracle"), "lookahead.policy"),
+    (("schedule=ar", "placement.target_gpus=2"), "placement.target_gpus"),
+])
+def test_what_the_real_backend_cannot_batch_says_so(overrides: tuple[str, ...], says: str, tmp_path: Path) -> None:
+    p = run_cli("backend=real", "workload.concurrency=2", *overrides, f"hydra.run.dir={tmp_path / 'run'}")
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and says in lines[0], p.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()

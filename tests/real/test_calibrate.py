@@ -47,6 +47,10 @@ def test_quick_calibration_feeds_the_profile_cost_model(tmp_path: Path, monkeypa
     assert "sampling" not in prof["models"]["ngram3"]  # one-hot q: nothing to standardize
     for table in ("tree_expand", "tree_rounds"):  # the n-gram draft's tree tables, per temperature class
         assert set(prof["models"]["ngram3"][table]) == set(TEMPERATURES)
+    batch = prof["models"]["smollm2_135m"]["batch"]["greedy"]  # continuous batching (real/calibrate/batch.py)
+    assert batch["batch"] == grid.batches and batch["k"] == grid.batch_target_k
+    assert len(batch["seconds"]) == len(grid.batches) and all(v > 0 for row in batch["seconds"] for v in row)
+    assert "batch" not in prof["models"]["smollm2_exit10"]  # shares the target's forward: not batched
     for row in fwd["seconds"]:  # smoothed tables never decrease in k
         assert all(b >= a > 0 for a, b in zip(row, row[1:]))
     sim = compose_exp("pair=smollm2_135m+smollm2_exit10", "hardware=local", "sim.cost_model=profile",

@@ -350,3 +350,33 @@ def test_an_ngram_tree_expansion_is_charged_whole_from_its_own_table(tmp_path) -
     chain = ProfileCost(compose_exp("pair=smollm2_135m+ngram3", "hardware=local", "sim.cost_model=profile",
                                     f"sim.profile_path={path}", "schedule.gamma=4", "sampling.temperature=0.0"))
     assert chain.forward("draft", 1, 100) > 0.0  # the chain still pays its lookup
+
+
+BATCH_K, BATCHES = [1, 2, 4], [1, 2, 4, 8]
+BATCH = [[0.02 + 0.004 * b * k ** 1.2 for k in BATCH_K] for b in BATCHES]  # [batch][k], at context 256
+
+
+def test_a_batched_forward_reads_the_batched_table() -> None:
+    """Under load the profile's batched table (real/calibrate/batch.py) times a forward over
+    several requests: interpolated at the mean tokens per request, each request's attention beyond
+    the table's context from the one-request table, Algorithm 1 per request; without the table
+    (or for one request) what it did before."""
+    prof = make_profile()
+    plain = ProfileCost(compose_exp("pair=smollm2_135m+smollm2_exit10", "hardware=local", "sim.cost_model=profile"),
+                        profile=prof)
+    additive = plain.batch_forward("target", [(2, 256), (2, 256)])
+    prof["models"]["smollm2_135m"]["batch"] = {"greedy": {"k": BATCH_K, "batch": BATCHES, "context": 256,
+                                                         "seconds": BATCH}}
+    c = ProfileCost(compose_exp("pair=smollm2_135m+smollm2_exit10", "hardware=local", "sim.cost_model=profile"),
+                    profile=prof)
+    accept2 = 2e-4
+    assert c.batch_forward("target", [(2, 256), (2, 256)]) == pytest.approx(BATCH[1][1] + 2 * accept2, rel=1e-12)
+    assert c.batch_forward("target", [(2, 256), (2, 256)]) != pytest.approx(additive)
+    # 8 requests of 1 and 4 tokens (mean 2.5): between the table's k = 2 and 4 at B = 8
+    mixed = c.batch_forward("target", [(1, 256)] * 4 + [(4, 256)] * 4)
+    assert BATCH[3][1] < mixed - 4 * (1e-4 + 4e-4) < BATCH[3][2]
+    # longer contexts add each request's own attention growth
+    far = c.batch_forward("target", [(2, 1024), (2, 256)])
+    growth = plain.forward("target", 2, 1024) - plain.forward("target", 2, 256)
+    assert far == pytest.approx(BATCH[1][1] + 2 * accept2 + growth, rel=1e-9)
+    assert c.batch_forward("target", [(2, 300)]) == pytest.approx(c.forward("target", 2, 300))  # one request

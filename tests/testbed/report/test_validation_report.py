@@ -62,7 +62,7 @@ def test_report_writes_validation_csv_and_parity_plot(sweep: Path, tmp_path: Pat
     md = build_report([sweep], out).read_text()
     csv = pd.read_csv(out / "validation.csv")
     assert list(csv.columns) == ["schedule", "pair", "hardware", "target_gpus", "draft_gpus", "nodes",
-                                 "gamma", "workload", "temperature", "seed", "lookahead", "split", "dsd_point", "family", "metric",
+                                 "gamma", "workload", "temperature", "seed", "lookahead", "split", "dsd_point", "load_point", "family", "metric",
                                  "predicted", "measured", "error_pct", "predicted_low",
                                  "predicted_high", "measured_low", "measured_high", "measured_passes", "inside"]
     assert {"tokens_per_s", "tpot_ms", "mean_accepted_len"} <= set(csv["metric"])
@@ -105,3 +105,33 @@ def test_errors_per_schedule_family_with_p90(sweep: Path, tmp_path: Path) -> Non
     assert ("sync", "tokens_per_s") in rows and ("ar", "tokens_per_s") in rows
     ar_tps = val[(val["family"] == "ar") & (val["metric"] == "tokens_per_s")]["error_pct"]
     assert ar_tps.iloc[0] == pytest.approx(100 * (1.0 / 0.9 - 1))  # ar: 40 tok in 0.9 s vs 1.0 s
+
+
+def _load_run(path: Path, backend: str, clients: int, finish_s: float) -> None:
+    """Two requests of 11 tokens under a closed loop of ``clients``, both answered at ``finish_s``."""
+    exp = compose_exp(f"backend={backend}", "pair=smollm2_135m+ngram3", "hardware=local", "workload=humaneval",
+                      "workload.split=holdout", "schedule=sync", "schedule.gamma=2",
+                      f"workload.concurrency={clients}")
+    rec = RunRecorder()
+    for rid in range(2):
+        rec.round(request_id=rid, round_idx=0, start_s=0.0, end_s=finish_s, drafted=2, checked=1, accepted=0,
+                  emitted=11, verified_tokens=3, draft_s=0.0, target_s=finish_s)
+        rec.request(RequestRecord(request_id=rid, prompt_id=f"HumanEval/{rid}", prompt_len=100, output_ids=[],
+                                  generated=11, prefill_s=0.1, decode_s=finish_s - 0.1, rounds=1, arrival_s=0.0,
+                                  queue_s=0.0, first_token_s=0.1, finish_s=finish_s))
+        rec.span("target", "verify", 0.0, finish_s, request_id=-1, round_idx=0, batch=2)
+    write_run(path, exp, RunResult(recorder=rec))
+
+
+def test_points_under_load_join_by_their_load_and_compare_throughput_and_tpot(tmp_path: Path) -> None:
+    _load_run(tmp_path / "0", "real", 2, finish_s=1.1)  # TPOT (1.1 - 0.1) / 10 = 100 ms
+    _load_run(tmp_path / "1", "sim", 2, finish_s=1.0)  # 90 ms: -10 %
+    _load_run(tmp_path / "2", "real", 4, finish_s=2.1)
+    _load_run(tmp_path / "3", "sim", 4, finish_s=2.1)
+    val = validation_frame(find_runs([tmp_path]))
+    tpot = val[val["metric"] == "tpot_ms_p50"].set_index("load_point")["error_pct"]
+    assert tpot.to_dict() == {"2 clients": pytest.approx(-10.0), "4 clients": pytest.approx(0.0)}
+    assert set(val["family"]) == {"sync under load"}
+    assert {"throughput_tok_s", "tpot_ms_p90"} <= set(val["metric"])
+    md = build_report([tmp_path], tmp_path / "report").read_text()
+    assert "Under load: median |error|" in md and "tpot_ms_p50 5.0 %" in md

@@ -1,0 +1,88 @@
+"""Latency tables of batched forwards (continuous batching, real/runtime/batching.py) for the
+profile cost model: per model, one round's forward over B requests x k tokens each at one context
+(``BATCH_CONTEXT`` cached tokens per request), with what the round does per request after it
+(the target: each request's distributions, as ``TargetRunner.probs``; a draft: the distribution
+and pick of each request's next guess, as ``ChainWindow.take``).
+
+Why measured and not composed from the one-request tables: a batched forward is neither the
+forward of its total tokens (each request attends over its own cache, and the per-request work
+after it grows with B) nor B forwards (the weights are read once); on this host the additive
+composition erred by +17 % on the target's verification of 8 requests and by -42 % on the
+draft's steps. The simulator (sim/cost/profile.py ``batch_forward``) reads these tables,
+interpolating in k and B, and adds each request's attention beyond ``BATCH_CONTEXT`` from the
+one-request tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from real.calibrate.drafts import TEMPERATURES
+from real.calibrate.fit import isotonic
+
+BATCH_CONTEXT = 128
+
+
+def add_batch_probes(pr: Any, model: Any, *, name: str, role: str, batches: list[int],
+                     ks: list[int]) -> Callable[[], dict[str, Any]]:
+    """Register ``model``'s batched-forward probes on ``pr`` (a real.calibrate.profile.Probes);
+    returns the function that builds its ``batch`` table afterwards."""
+    from real.model.batch import CacheRows, Feed, forward_batch
+    from testbed.spec.sampling import SamplingParams, sample, standardize
+
+    gen = torch.Generator().manual_seed(7)
+    vocab = model.args.vocab_size
+    rows = CacheRows(model, max(batches), BATCH_CONTEXT + max(ks) + 2)
+    prompt = torch.randint(vocab, (BATCH_CONTEXT,), generator=gen).tolist()
+    for r in range(1, max(batches) + 1):
+        rows.prefill(r, prompt)
+    for cls, temp in TEMPERATURES.items():
+        params = SamplingParams(temperature=temp)
+        for b in batches:
+            for k in ks:
+                feeds = [Feed(r, torch.randint(vocab, (k,), generator=gen).tolist(), BATCH_CONTEXT)
+                         for r in range(1, b + 1)]
+                if role == "target":
+                    def fn(feeds=feeds, params=params) -> None:
+                        for lg in forward_batch(model, feeds):
+                            standardize(lg, params)
+                else:
+                    def fn(feeds=feeds, params=params, greedy=temp == 0.0) -> None:
+                        for lg in forward_batch(model, feeds):
+                            q = standardize(lg[-1], params)
+                            _ = int(q.argmax()) if greedy else sample(q, gen)
+                pr.add((name, "batch", cls, b, k), fn)
+
+    def build() -> dict[str, Any]:
+        out = {}
+        for cls in TEMPERATURES:
+            raw = [[pr.value((name, "batch", cls, b, k)) for k in ks] for b in batches]
+            # more tokens per request never take less time (pool adjacent violators per B)
+            out[cls] = {"k": ks, "batch": batches, "context": BATCH_CONTEXT,
+                        "seconds": [isotonic(row) for row in raw], "raw": raw}
+        return out
+    return build
+
+
+def add_batch_tables(models: dict[str, Any], measured: dict[str, tuple[str, Any]], *, probes: Any,
+                     grid: Any, log: Callable[[str], None]) -> None:
+    """Measure the batched tables of ``measured`` (name -> (role, model)) in interleaved passes
+    (half the passes of the one-request tables: every probe here is a larger forward) and add
+    them to ``models[name]["batch"]``; ``probes``: an empty real.calibrate.profile.Probes, ``grid``
+    its Grid."""
+    pr = probes
+    builders = {name: add_batch_probes(pr, model, name=name, role=role, batches=grid.batches,
+                                       ks=grid.batch_target_k if role == "target" else grid.batch_draft_k)
+                for name, (role, model) in measured.items()}
+    repeats = max(2, grid.repeats // 2)
+    log(f"batched forwards: {len(pr.fns)} probes x {repeats} passes ({', '.join(builders)})")
+    pr.run(repeats, seed=3)
+    for name, build in builders.items():
+        models[name]["batch"] = build()
+        t = models[name]["batch"]["greedy"]
+        for b, row in zip(t["batch"], t["seconds"]):
+            log(f"{name} batch={b} context={BATCH_CONTEXT}: " + " ".join(
+                f"k{k}={1e3 * v:.1f}" for k, v in zip(t["k"], row)) + " ms")
