@@ -139,6 +139,9 @@ def _validate_load(exp: ExperimentConfig) -> None:
                           "over nodes serves one request at a time")
 
 
+REAL_MAX_BATCH = 64  # KV-cache rows a real run allocates at most (real/model/batch.py CacheRows)
+
+
 def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type: ignore[no-untyped-def]
     """What real/runtime/batching.py serves: `ar` and the chain of `sync` with a draft model or
     prompt lookup, in one process."""
@@ -152,6 +155,13 @@ def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type
     if spec.drafts and exp.lookahead.policy == "oracle":
         raise ConfigError("lookahead.policy", "oracle", f"another policy under load ({load}) on backend=real: "
                           "the oracle's untimed reference continuation cannot run beside the wall clock")
+    w, cap = exp.workload, exp.serving.max_batch
+    in_flight = w.concurrency if w.arrival == "closed" else w.num_prompts if w.arrival == "poisson" \
+        else len(read_trace(w.trace_path))
+    if min(cap or in_flight, in_flight) > REAL_MAX_BATCH:
+        raise ConfigError("serving.max_batch", cap, f"at most {REAL_MAX_BATCH} under load ({load}) on backend=real: "
+                          f"up to {in_flight} requests could be in flight, and each holds a KV-cache row of "
+                          "the longest request's slots from admission")
     pl = exp.placement
     if pl.target_gpus > 1 or (spec.drafts and pl.draft_gpus > 1):
         raise ConfigError("placement.target_gpus" if pl.target_gpus > 1 else "placement.draft_gpus",

@@ -195,9 +195,23 @@ def test_batched_sync_samples_the_target_distribution_at_temperature_1() -> None
     (("schedule=sync", "pair.draft.kind=early_exit", "pair.draft.exit_layer=8"), "pair.draft.kind"),
     (("schedule=sync", "lookahead.policy=oracle"), "lookahead.policy"),
     (("schedule=ar", "placement.target_gpus=2"), "placement.target_gpus"),
+    (("schedule=ar", "workload.concurrency=65"), "serving.max_batch=0"),  # 65 KV-cache rows
 ])
 def test_what_the_real_backend_cannot_batch_says_so(overrides: tuple[str, ...], says: str, tmp_path: Path) -> None:
     p = run_cli("backend=real", "workload.concurrency=2", *overrides, f"hydra.run.dir={tmp_path / 'run'}")
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1 and says in lines[0], p.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_trace_sets_each_requests_output_length_and_cycles_the_prompts(tmp_path: Path) -> None:
+    from real.model.tokenizer import load_bundled_tokenizer
+    from real.runtime.loading import build_requests
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0.0,10,5\n0.5,10,7\n1.0,10,3\n")
+    exp = compose_exp("backend=real", "workload.arrival=trace", f"workload.trace_path={trace}",
+                      "workload.num_prompts=2")
+    reqs = build_requests(exp, load_bundled_tokenizer(), 8192)
+    assert [r.max_new_tokens for r in reqs] == [5, 7, 3]
+    assert reqs[2].prompt_ids == reqs[0].prompt_ids != reqs[1].prompt_ids  # two prompts, cycled
