@@ -66,6 +66,10 @@ HUMAN = {
     "own_acceptance_worst_abs_pct": "own acceptance: worst abs. error %",
     "standalone_error_pct": "standalone error %", "rescaled_error_pct": "rescaled error %",
     "own_acceptance_error_pct": "own acceptance error %",
+    "throughput_tok_s_standalone_median_abs_pct": "throughput standalone: median abs. error %",
+    "throughput_tok_s_own_median_abs_pct": "throughput own acceptance: median abs. error %",
+    "tpot_ms_p50_standalone_median_abs_pct": "P50 TPOT standalone: median abs. error %",
+    "tpot_ms_p50_own_median_abs_pct": "P50 TPOT own acceptance: median abs. error %",
     "dsd_point": "DSD point", "load_point": "load", "mean_accepted_len err %": "accepted len err %",
     "tokens_per_s err %": "tokens/s err %", "tpot_ms err %": "TPOT err %",
 }

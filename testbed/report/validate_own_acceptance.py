@@ -22,6 +22,8 @@ import pandas as pd
 
 from testbed.results import Run
 
+LOAD_METRICS = ("throughput_tok_s", "tpot_ms_p50")  # what a point under load is also judged by
+
 
 def resimulated(sim_run: Run, edit: Callable[[Any], bool]) -> dict[str, Any] | None:
     """The summary of ``sim_run``'s experiment simulated again after ``edit(exp)`` (which
@@ -58,8 +60,12 @@ def own_acceptance_prediction(sim_run: Run, measured_dir: Path) -> dict[str, flo
     summary = resimulated(sim_run, edit)
     if not summary or not summary.get("tokens_per_s"):
         return None
-    return {"tokens_per_s": float(summary["tokens_per_s"]),
-            "mean_accepted_len": float(summary.get("mean_accepted_len") or float("nan"))}
+    out = {"tokens_per_s": float(summary["tokens_per_s"]),
+           "mean_accepted_len": float(summary.get("mean_accepted_len") or float("nan"))}
+    for m in LOAD_METRICS:  # under load (testbed.metrics.load_metrics)
+        if summary.get(m):
+            out[m] = float(summary[m])
+    return out
 
 
 def own_acceptance_frame(runs: list[Run], *, key_of: Any, family_of: Any, is_measurement: Any
@@ -89,7 +95,10 @@ def own_acceptance_frame(runs: list[Run], *, key_of: Any, family_of: Any, is_mea
                      "standalone_error_pct": 100.0 * (float(s["tokens_per_s"]) - got) / got,
                      "own_acceptance_error_pct": 100.0 * (own["tokens_per_s"] - got) / got,
                      "own_accepted_len": own["mean_accepted_len"],
-                     "measured_accepted_len": real.summary.get("mean_accepted_len")})
+                     "measured_accepted_len": real.summary.get("mean_accepted_len"),
+                     **{f"{m}_{kind}_error_pct": 100.0 * (float(v) - float(real.summary[m])) / float(real.summary[m])
+                        for m in LOAD_METRICS if own.get(m) and real.summary.get(m)
+                        for kind, v in (("standalone", s.get(m)), ("own", own[m])) if v}})
     return pd.DataFrame(rows)
 
 
@@ -99,12 +108,15 @@ def own_acceptance_lines(frame: pd.DataFrame, csv: str) -> list[str]:
         return []
     from testbed.report.context import markdown_table
 
+    extra = {f"{m}_{kind}_median_abs_pct": (f"{m}_{kind}_error_pct", lambda x: x.abs().median())
+             for m in LOAD_METRICS for kind in ("standalone", "own") if f"{m}_{kind}_error_pct" in frame}
     table = frame.groupby("family").agg(
         predictions=("measured", "size"),
         standalone_median_abs_pct=("standalone_error_pct", lambda x: x.abs().median()),
         own_acceptance_median_abs_pct=("own_acceptance_error_pct", lambda x: x.abs().median()),
         own_acceptance_mean_signed_pct=("own_acceptance_error_pct", "mean"),
         own_acceptance_worst_abs_pct=("own_acceptance_error_pct", lambda x: x.abs().max()),
+        **extra,  # under load: the system's throughput and P50 TPOT too
     ).reset_index()
     return ["\nThe same predictions on the measured prompts' own acceptance (`" + csv + "`): "
             "the trace replayed is the measured run's, the cost model and its drift correction "
