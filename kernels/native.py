@@ -401,9 +401,9 @@ def decode_layers(model, lo: int, hi: int, h: Tensor, *, cos: Tensor, sin: Tenso
     return out if rc == 0 else None
 
 
-def batch_layers(model, h: Tensor, *, cos: Tensor, sin: Tensor, slots: Tensor, starts: list[int],
+def batch_layers(model, h: Tensor, *, hi: int, cos: Tensor, sin: Tensor, slots: Tensor, starts: list[int],
                  kv_lens: list[int], cache_rows: list[int], masks: list[Tensor | None]) -> Tensor | None:
-    """All the layers of ``model`` on the rows of several sequences at once (continuous batching):
+    """Layers ``[0, hi)`` of ``model`` on the rows of several sequences at once (continuous batching):
     ``h [1, R, dim]``, rows ``starts[i]:starts[i + 1]`` of sequence i, written at ``slots`` of
     KV-cache batch row ``cache_rows[i]``, attending over its slots ``[0, kv_lens[i])`` through
     ``masks[i]`` (bool ``[T_i, kv_lens[i]]``) or causally (None). None where the native path does
@@ -415,7 +415,7 @@ def batch_layers(model, h: Tensor, *, cos: Tensor, sin: Tensor, slots: Tensor, s
     t = h.shape[1]
     if t > MAX_TOKENS or h.dtype not in _CODES or cos.dtype != h.dtype:
         return None
-    lo, hi = 0, model.args.n_layers
+    lo = 0
     packed = _pack(model, lo, hi)
     if packed is None or _CODES[h.dtype] != packed[1].dtype:
         return None

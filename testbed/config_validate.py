@@ -149,9 +149,9 @@ def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type
         raise ConfigError("schedule.tree", True, f"false under load ({load}) on backend=real: the batched "
                           "real rounds serve chains so far (the serial tree under load: backend=sim)")
     kind = exp.pair.draft.kind
-    if spec.drafts and kind not in ("transformer", "ngram"):
-        raise ConfigError("pair.draft.kind", kind, f"transformer or ngram under load ({load}) on backend=real: "
-                          f"a {kind} draft shares the target's forward, which the batched rounds do not run")
+    if spec.drafts and kind == "eagle":
+        raise ConfigError("pair.draft.kind", kind, f"transformer, early_exit or ngram under load ({load}) on "
+                          "backend=real: the batched rounds do not hand the target's features to a head")
     if spec.drafts and exp.lookahead.policy == "oracle":
         raise ConfigError("lookahead.policy", "oracle", f"another policy under load ({load}) on backend=real: "
                           "the oracle's untimed reference continuation cannot run beside the wall clock")

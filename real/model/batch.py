@@ -75,9 +75,11 @@ class CacheRows:
 
 
 @torch.inference_mode()
-def forward_batch(model: Transformer, feeds: list[Feed]) -> list[Tensor]:
+def forward_batch(model: Transformer, feeds: list[Feed], *, layers: int | None = None) -> list[Tensor]:
     """fp32 logits ``[T_i, V]`` of every feed (on the host), the rows of all feeds in one forward
-    per group of at most ``kernels.native.MAX_TOKENS`` rows."""
+    per group of at most ``kernels.native.MAX_TOKENS`` rows. ``layers``: only the first that many
+    layers, then the final norm and LM head (the early-exit draft, which writes the same K/V as
+    the full model in those layers of the request's row)."""
     sizes = [len(f.tokens) for f in feeds]
     if not feeds or min(sizes) < 1:
         raise ValueError("a batched forward needs at least one token per feed")
@@ -90,7 +92,7 @@ def forward_batch(model: Transformer, feeds: list[Feed]) -> list[Tensor]:
                              f"beyond the KV cache ({model.max_seq} slots)")
     hidden = []
     for group in _groups(feeds, native.MAX_TOKENS if native.AVAILABLE else sum(sizes)):
-        hidden.append(_layers(model, group))
+        hidden.append(_layers(model, group, layers or model.args.n_layers))
     h = torch.cat(hidden, dim=1)
     logits = model.head(h)[0]
     return list(logits.split(sizes))
@@ -109,7 +111,7 @@ def _groups(feeds: list[Feed], max_rows: int) -> list[list[Feed]]:
     return groups
 
 
-def _layers(model: Transformer, feeds: list[Feed]) -> Tensor:
+def _layers(model: Transformer, feeds: list[Feed], hi: int) -> Tensor:
     dev = model.device
     tokens = torch.tensor([[t for f in feeds for t in f.tokens]], device=dev)
     slots = torch.cat([torch.arange(f.start, f.start + len(f.tokens)) for f in feeds]).to(dev)
@@ -118,20 +120,20 @@ def _layers(model: Transformer, feeds: list[Feed]) -> Tensor:
     starts = [0]
     for f in feeds:
         starts.append(starts[-1] + len(f.tokens))
-    out = native.batch_layers(model, h, cos=cos, sin=sin, slots=slots, starts=starts,
+    out = native.batch_layers(model, h, hi=hi, cos=cos, sin=sin, slots=slots, starts=starts,
                               kv_lens=[f.kv_len for f in feeds], cache_rows=[f.row for f in feeds],
                               masks=[f.mask for f in feeds]) if native.AVAILABLE else None
-    return out if out is not None else reference_layers(model, h, feeds, cos=cos, sin=sin, slots=slots)
+    return out if out is not None else reference_layers(model, h, feeds, hi=hi, cos=cos, sin=sin, slots=slots)
 
 
-def reference_layers(model: Transformer, h: Tensor, feeds: list[Feed], *, cos: Tensor, sin: Tensor,
+def reference_layers(model: Transformer, h: Tensor, feeds: list[Feed], *, hi: int, cos: Tensor, sin: Tensor,
                      slots: Tensor) -> Tensor:
     """The batched layers op by op (the registered ``kernels`` ops): the projections over all rows,
     attention per feed over its cache row. What runs off the CPU, and the native path's oracle."""
     starts = [0]
     for f in feeds:
         starts.append(starts[-1] + len(f.tokens))
-    for layer in model.layers:
+    for layer in model.layers[:hi]:
         att, ffn = layer.attention, layer.feed_forward
         hq, hkv, d = att.n_heads, att.n_kv_heads, att.head_dim
         x = kernels.rms_norm(h, layer.attention_norm, layer.eps)

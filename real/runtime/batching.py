@@ -13,7 +13,8 @@ the other (the batch waits), then one round serves every running request:
 
 - ``ar``: one target forward over every request's next token;
 - ``sync``: each request's lookahead policy picks its γ, the draft runs every request's chain
-  window as batched steps (step j feeds every request still drafting), then one target forward
+  window as batched steps (step j feeds every request still drafting; an early-exit draft runs
+  the target's first layers on the request's own cache row), then one target forward
   verifies every request's window and each request accepts with
   testbed.spec.speculative.speculative_step, drawing from its own generator.
 
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from real.model.batch import CacheRows, Feed, forward_batch
-from real.model.drafts import ChainWindow, Draft, ModelDraft, NgramDraft
+from real.model.drafts import ChainWindow, Draft, EarlyExitDraft, ModelDraft, NgramDraft
 from real.runtime.context import RealContext, RealRequest, finish
 from testbed.admission import Admission
 from testbed.arrivals import poisson_times, read_trace
@@ -143,6 +144,8 @@ def _admit(ctx: RealContext, req: RealRequest, *, arrived: float, admitted: floa
     if ctx.draft is not None:
         a.policy = lookahead_for(ctx.exp)
         a.draft = _request_draft(ctx.draft)
+        if isinstance(a.draft, EarlyExitDraft):  # the target's prefill filled its layers' slots
+            a.draft.cached = len(ids) - 1
         if draft_rows is not None:
             a.draft_row = draft_rows.acquire()
             draft_rows.prefill(a.draft_row, ids[:-1])
@@ -156,6 +159,8 @@ def _request_draft(draft: Draft) -> Draft:
     """A request's own draft state: its cache position and last window (the model is shared)."""
     if isinstance(draft, ModelDraft):
         mine: Draft = ModelDraft(draft.model, draft.params, draft.name)
+    elif isinstance(draft, EarlyExitDraft):
+        mine = EarlyExitDraft(draft.target, draft.exit_layer, draft.params)
     elif isinstance(draft, NgramDraft):
         mine = NgramDraft(draft.ngram, draft.vocab)
     else:  # testbed.config_validate refuses the others under load
@@ -189,7 +194,7 @@ def _sync_round(ctx: RealContext, running: list[Active], r: int, draft_model: An
     proposals: list[tuple[list[int], torch.Tensor] | None] = []
     for a in running:
         gamma = a.policy.next_gamma()
-        if isinstance(a.draft, ModelDraft):
+        if isinstance(a.draft, ModelDraft | EarlyExitDraft):
             windows.append(ChainWindow(a.draft, a.ids, gamma, a.gen, a.policy))
             proposals.append(None)
         else:  # a lookup: no forward
@@ -199,7 +204,12 @@ def _sync_round(ctx: RealContext, running: list[Active], r: int, draft_model: An
         step = [(a, w, w.next_feed()) for a, w in zip(running, windows) if w is not None and w.next_feed() is not None]
         if not step:
             break
-        logits = forward_batch(draft_model, [Feed(a.draft_row, toks, pos) for a, _, (toks, pos) in step])
+        if draft_model is not None:
+            logits = forward_batch(draft_model, [Feed(a.draft_row, toks, pos) for a, _, (toks, pos) in step])
+        else:  # early exit: the target's first layers on the request's own row
+            exit_layer = step[0][0].draft.exit_layer  # type: ignore[union-attr]
+            logits = forward_batch(ctx.target.model, [Feed(a.row, toks, pos) for a, _, (toks, pos) in step],
+                                   layers=exit_layer)
         for (_, w, _), lg in zip(step, logits):
             w.take(lg[-1])
     proposals = [w.result() if w is not None else p for w, p in zip(windows, proposals)]

@@ -13,7 +13,7 @@ import torch
 from kernels import native
 from real.model.batch import CacheRows, Feed, forward_batch
 from real.model.decoder import ModelArgs, Transformer
-from real.model.drafts import ModelDraft, NgramDraft
+from real.model.drafts import EarlyExitDraft, ModelDraft, NgramDraft
 from real.model.runners import TargetRunner
 from real.runtime.batching import serve_batched
 from real.runtime.context import RealContext, RealRequest
@@ -116,7 +116,7 @@ def test_more_rows_than_one_native_call_split_exactly() -> None:
 
 
 @pytest.mark.parametrize("load", [("workload.concurrency=3",), ("workload.arrival=poisson", "workload.rate=400")])
-@pytest.mark.parametrize("draft", [None, "model", "ngram"])
+@pytest.mark.parametrize("draft", [None, "model", "early_exit", "ngram"])
 def test_temperature_0_outputs_under_batching_equal_ar_alone(load: tuple[str, ...], draft: str | None) -> None:
     """Requests of different prompt and output lengths join and leave the batch; each answer is
     the one `ar` gives it served alone."""
@@ -125,7 +125,8 @@ def test_temperature_0_outputs_under_batching_equal_ar_alone(load: tuple[str, ..
     reqs = _requests(7)
     exp = compose_exp("schedule.gamma=3", *load)
     ar = _alone(exp, target, None, params, serve_ar, reqs)
-    d = {"model": ModelDraft(tiny(3, SMALL), params, "tiny"), "ngram": NgramDraft(2, TINY.vocab_size)}.get(draft)
+    d = {"model": ModelDraft(tiny(3, SMALL), params, "tiny"), "ngram": NgramDraft(2, TINY.vocab_size),
+         "early_exit": EarlyExitDraft(target, 2, params)}.get(draft)
     ctx = _batched(exp, target, d, params, reqs)
     assert _by_request(ctx) == ar
     _, requests, timeline = ctx.rec.frames()[:3]
@@ -192,7 +193,7 @@ def test_batched_sync_samples_the_target_distribution_at_temperature_1() -> None
 
 @pytest.mark.parametrize(("overrides", "says"), [
     (("schedule=sync", "schedule.tree=true"), "schedule.tree"),
-    (("schedule=sync", "pair.draft.kind=early_exit", "pair.draft.exit_layer=8"), "pair.draft.kind"),
+    (("schedule=sync", "pair=smollm2_135m+smollm2_eagle"), "pair.draft.kind"),
     (("schedule=sync", "lookahead.policy=oracle"), "lookahead.policy"),
     (("schedule=ar", "placement.target_gpus=2"), "placement.target_gpus"),
     (("schedule=ar", "workload.concurrency=65"), "serving.max_batch=0"),  # 65 KV-cache rows
