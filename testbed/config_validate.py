@@ -143,12 +143,12 @@ REAL_MAX_BATCH = 64  # KV-cache rows a real run allocates at most (real/model/ba
 
 
 def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type: ignore[no-untyped-def]
-    """What real/runtime/batching.py serves: `ar` and the chain of `sync` with a draft model or
-    prompt lookup, in one process."""
-    if spec.tree or exp.schedule.tree:
-        raise ConfigError("schedule.tree", True, f"false under load ({load}) on backend=real: the batched "
-                          "real rounds serve chains so far (the serial tree under load: backend=sim)")
+    """What real/runtime/batching.py serves: `ar`, the chain of `sync` (a draft model, early exit
+    or prompt lookup) and the serial tree (a draft model), in one process."""
     kind = exp.pair.draft.kind
+    if (spec.tree or exp.schedule.tree) and kind != "transformer":
+        raise ConfigError("pair.draft.kind", kind, f"transformer under load ({load}) with schedule.tree=true on "
+                          "backend=real: the batched tree grows on a draft model's own KV-cache rows")
     if spec.drafts and kind == "eagle":
         raise ConfigError("pair.draft.kind", kind, f"transformer, early_exit or ngram under load ({load}) on "
                           "backend=real: the batched rounds do not hand the target's features to a head")

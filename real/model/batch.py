@@ -33,16 +33,23 @@ from real.model.runners import prefill
 @dataclass(frozen=True)
 class Feed:
     """One request's part of a batched forward: ``tokens`` written at slots ``start..`` of cache
-    row ``row``; ``mask`` (bool ``[T, S]``) lets token t see slot s, else causal by slot."""
+    row ``row`` (or at ``slots``, a token tree's), rotated at those positions (or at
+    ``positions``); ``mask`` (bool ``[T, S]``) lets token t see slot s, else causal by slot."""
 
     row: int
     tokens: list[int]
-    start: int
+    start: int = 0
     mask: Tensor | None = None
+    slots: list[int] | None = None
+    positions: list[int] | None = None
+
+    @property
+    def cache_slots(self) -> list[int]:
+        return self.slots if self.slots is not None else list(range(self.start, self.start + len(self.tokens)))
 
     @property
     def kv_len(self) -> int:
-        return self.mask.shape[-1] if self.mask is not None else self.start + len(self.tokens)
+        return self.mask.shape[-1] if self.mask is not None else max(self.cache_slots) + 1
 
 
 class CacheRows:
@@ -60,6 +67,18 @@ class CacheRows:
 
     def release(self, row: int) -> None:
         self.free.append(row)
+
+    @torch.inference_mode()
+    def move(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Copy slots ``src`` to ``dst`` of one row in every layer (a token tree's KV compaction)."""
+        if not src:
+            return
+        s, d = torch.tensor(src, device=self.model.device), torch.tensor(dst, device=self.model.device)
+        for layer in self.model.layers:
+            cache = layer.attention.kv_cache
+            if cache is not None:
+                for c in (cache.k_cache[row], cache.v_cache[row]):
+                    c.index_copy_(1, d, c.index_select(1, s))
 
     @torch.inference_mode()
     def prefill(self, row: int, tokens: list[int], *, last_logits: bool = False) -> Tensor | None:
@@ -84,9 +103,9 @@ def forward_batch(model: Transformer, feeds: list[Feed], *, layers: int | None =
     if not feeds or min(sizes) < 1:
         raise ValueError("a batched forward needs at least one token per feed")
     for f in feeds:
-        if f.start + len(f.tokens) > f.kv_len:
+        if max(f.cache_slots) >= f.kv_len or len(f.cache_slots) != len(f.tokens):
             raise ValueError(f"feed of row {f.row}: its mask covers {f.kv_len} slots but a token is written "
-                             f"at slot {f.start + len(f.tokens) - 1}")
+                             f"at slot {max(f.cache_slots)}")
         if f.kv_len > model.max_seq:
             raise ValueError(f"feed of row {f.row} reaches slot {max(f.kv_len, f.start + len(f.tokens)) - 1}, "
                              f"beyond the KV cache ({model.max_seq} slots)")
@@ -114,9 +133,11 @@ def _groups(feeds: list[Feed], max_rows: int) -> list[list[Feed]]:
 def _layers(model: Transformer, feeds: list[Feed], hi: int) -> Tensor:
     dev = model.device
     tokens = torch.tensor([[t for f in feeds for t in f.tokens]], device=dev)
-    slots = torch.cat([torch.arange(f.start, f.start + len(f.tokens)) for f in feeds]).to(dev)
+    slots = torch.tensor([s for f in feeds for s in f.cache_slots], dtype=torch.long, device=dev)
+    rope = torch.tensor([p for f in feeds for p in (f.positions if f.positions is not None else f.cache_slots)],
+                        dtype=torch.long, device=dev)
     h = model.embed(tokens)
-    cos, sin = model.rope_cos[slots], model.rope_sin_signed[slots]
+    cos, sin = model.rope_cos[rope], model.rope_sin_signed[rope]
     starts = [0]
     for f in feeds:
         starts.append(starts[-1] + len(f.tokens))

@@ -16,7 +16,11 @@ the other (the batch waits), then one round serves every running request:
   window as batched steps (step j feeds every request still drafting; an early-exit draft runs
   the target's first layers on the request's own cache row), then one target forward
   verifies every request's window and each request accepts with
-  testbed.spec.speculative.speculative_step, drawing from its own generator.
+  testbed.spec.speculative.speculative_step, drawing from its own generator;
+- ``sync`` with ``schedule.tree=true`` (the serial tree): every request's tree is expanded d times
+  and filled (expansion j of every request in one batched draft forward: real/runtime/rendezvous.py
+  runs each request's drafter in a thread of its own and meets their forwards), every subtree is
+  verified in one batched target forward, then each request re-roots on its own rows.
 
 A request's logits in a batch equal its logits served alone (real/model/batch.py), and it draws
 from its own seeded generator in the same order, so each request's output under load equals its
@@ -35,13 +39,17 @@ import torch
 
 from real.model.batch import CacheRows, Feed, forward_batch
 from real.model.drafts import ChainWindow, Draft, EarlyExitDraft, ModelDraft, NgramDraft
+from real.model.tree_tokens import DraftTreeTokens, TargetTreeTokens, tree_cache_slots
 from real.runtime.context import RealContext, RealRequest, finish
+from real.runtime.rendezvous import Rendezvous, RowModel
 from testbed.admission import Admission
 from testbed.arrivals import poisson_times, read_trace
 from testbed.recorder import RequestRecord
+from testbed.schedules import spec_of
 from testbed.spec.lookahead import lookahead_for
 from testbed.spec.sampling import sample, standardize
 from testbed.spec.speculative import speculative_step
+from testbed.spec.tree_drafter import DraftRowSample, TreeDrafter, TreeKvStats
 
 
 @dataclass
@@ -57,6 +65,9 @@ class Active:
     draft: Draft | None = None  # its own draft state (sharing the draft's model)
     draft_row: int = 0
     policy: Any = None
+    drafter: Any = None  # the serial tree: its testbed.spec.tree_drafter.TreeDrafter
+    verifier: Any = None  # and its real.model.tree_tokens.TargetTreeTokens
+    index: int = 0  # its place in the running batch (a rendezvous's key)
     prefill_s: float = 0.0
     start_s: float = -1.0
     first_token_s: float = float("nan")
@@ -91,7 +102,11 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
     rows = batch_rows(exp, len(requests))
     target_rows = CacheRows(target, rows, max_seq)
     draft_model = ctx.draft.model if isinstance(ctx.draft, ModelDraft) else None
-    draft_rows = CacheRows(draft_model, rows, max_seq) if draft_model is not None else None
+    tree = ctx.draft is not None and spec_of(exp).tree  # (its `ar` baseline keeps the experiment)
+    longest = max(r.prompt_len + r.max_new_tokens for r in requests)
+    draft_slots = tree_cache_slots(longest) if tree else max_seq  # a tree's slots beyond the sequence
+    draft_rows = CacheRows(draft_model, rows, draft_slots) if draft_model is not None else None
+    meet = Rendezvous() if tree else None
     queue = Admission(exp)
     t_start = ctx.now()
     offsets = arrival_offsets(exp, len(requests))
@@ -111,11 +126,16 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
         now = ctx.now()  # admitted together, then prefilled one after the other
         admitted = [_admit(ctx, req, arrived=t, admitted=now, target_rows=target_rows, draft_rows=draft_rows)
                     for req, t in queue.admit(len(running))]
+        if meet is not None:
+            for a in admitted:
+                _grow_tree(ctx, a, meet, target_rows=target_rows, draft_rows=draft_rows)
         running.extend(admitted)
         if not running:
             continue
         if ctx.draft is None:
             _ar_round(ctx, running, r)
+        elif meet is not None:
+            _tree_round(ctx, running, r, meet)
         else:
             _sync_round(ctx, running, r, draft_model)
         r += 1
@@ -239,6 +259,55 @@ def _sync_round(ctx: RealContext, running: list[Active], r: int, draft_model: An
     ctx.extra["draft_forwards"] = ctx.extra.get("draft_forwards", 0) + forwards
     ctx.rec.span("draft", "draft", s, m, request_id=_one(running), round_idx=r, batch=len(running))
     ctx.rec.span("target", "verify", m, e, request_id=_one(running), round_idx=r, batch=len(running))
+
+
+def _grow_tree(ctx: RealContext, a: Active, meet: Rendezvous, *, target_rows: CacheRows,
+               draft_rows: CacheRows | None) -> None:
+    """The serial tree's drafter and verifier of a request, on its own cache rows."""
+    s = ctx.exp.schedule
+    assert draft_rows is not None  # testbed.config_validate: a tree under load needs a draft model
+    kv = ctx.state.setdefault("tree_kv", TreeKvStats())
+    sample = ctx.state.setdefault("tree_rows", DraftRowSample())
+    source = DraftTreeTokens(RowModel(draft_rows, a.draft_row, meet, lambda: a.index), ctx.params, list(a.ids), a.gen)
+    a.drafter = TreeDrafter(source, width=s.tree_width, budget=s.tree_budget, kv=kv, rows=sample)
+    a.verifier = TargetTreeTokens(RowModel(target_rows, a.row, meet, lambda: a.index), ctx.params, a.gen)
+
+
+def _tree_round(ctx: RealContext, running: list[Active], r: int, meet: Rendezvous) -> None:
+    """Every request's tree expanded d times and filled (expansion j of every request in one
+    batched draft forward), its subtree selected, all subtrees verified in one batched target
+    forward, then the re-roots (their KV moves per row), as sim/runtime/batching.py's tree round."""
+    depth = ctx.exp.schedule.tree_depth or ctx.exp.schedule.gamma
+    for i, a in enumerate(running):
+        a.index = i
+
+    def grow(a: Active) -> Any:
+        for _ in range(depth):
+            if a.drafter.expand() is None:
+                break
+        a.drafter.fill()
+        return a.drafter.select()
+
+    s = ctx.now()
+    batches = meet.run([lambda a=a: grow(a) for a in running])
+    m = ctx.now()
+    outcomes = meet.run([lambda a=a, b=b: a.verifier.verify(b) for a, b in zip(running, batches)])
+    e = ctx.now()
+    for a, batch, res in zip(running, batches, outcomes):
+        a.start_s = s if a.start_s < 0 else a.start_s
+        before = len(a.out)
+        a.out, a.done = finish(a.out, res.tokens, a.req.max_new_tokens, ctx.eos)
+        a.drafter.advance(res.tokens)
+        ctx.rec.round(request_id=a.req.request_id, round_idx=a.rounds, start_s=s, end_s=e,
+                      drafted=len(batch) - 1, checked=res.checked, accepted=res.accepted,
+                      emitted=len(a.out) - before, verified_tokens=len(batch), draft_s=m - s, target_s=e - m)
+        _first_token(a, e)
+        ctx.on_tokens(len(a.out) - before)
+        ctx.extra.update(a.drafter.summary_fields(), tree_depth_used=depth)
+    rid, n = _one(running), len(running)
+    ctx.rec.span("draft", "draft", s, m, request_id=rid, round_idx=r, batch=n)
+    ctx.rec.span("target", "verify", m, e, request_id=rid, round_idx=r, batch=n)
+    ctx.rec.span("draft", "reroot", e, ctx.now(), request_id=rid, round_idx=r, batch=n)
 
 
 def _one(running: list[Active]) -> int:

@@ -192,7 +192,7 @@ def test_batched_sync_samples_the_target_distribution_at_temperature_1() -> None
 
 
 @pytest.mark.parametrize(("overrides", "says"), [
-    (("schedule=sync", "schedule.tree=true"), "schedule.tree"),
+    (("schedule=sync", "schedule.tree=true", "pair=smollm2_135m+ngram3"), "pair.draft.kind"),
     (("schedule=sync", "pair=smollm2_135m+smollm2_eagle"), "pair.draft.kind"),
     (("schedule=sync", "lookahead.policy=oracle"), "lookahead.policy"),
     (("schedule=ar", "placement.target_gpus=2"), "placement.target_gpus"),
@@ -216,3 +216,22 @@ def test_a_trace_sets_each_requests_output_length_and_cycles_the_prompts(tmp_pat
     reqs = build_requests(exp, load_bundled_tokenizer(), 8192)
     assert [r.max_new_tokens for r in reqs] == [5, 7, 3]
     assert reqs[2].prompt_ids == reqs[0].prompt_ids != reqs[1].prompt_ids  # two prompts, cycled
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_serial_tree_under_batching_answers_as_served_alone(temperature: float) -> None:
+    """Trees of requests joining and leaving grow in batched expansions and verify in batched
+    forwards; every request's answer equals the one it gets served alone (T=0: `ar`'s)."""
+    from real.schedules.sync_tree import serve_sync_tree
+
+    params = SamplingParams(temperature=temperature)
+    target = tiny(0)
+    reqs = _requests(6)
+    exp = compose_exp("schedule=sync", "schedule.tree=true", "schedule.gamma=2", "schedule.tree_width=3",
+                      "schedule.tree_budget=5", "workload.concurrency=3", f"sampling.temperature={temperature}")
+    draft = ModelDraft(tiny(3, SMALL), params, "tiny")
+    alone = _alone(exp, target, draft, params, serve_sync_tree if temperature else serve_ar, reqs)
+    ctx = _batched(exp, target, ModelDraft(draft.model, params, "tiny"), params, reqs)
+    assert _by_request(ctx) == alone
+    rounds, _, timeline = ctx.rec.frames()[:3]
+    assert timeline["batch"].max() == 3 and (rounds.verified_tokens <= 5).all() and rounds.accepted.sum() > 0
