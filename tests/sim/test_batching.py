@@ -139,7 +139,7 @@ def test_a_request_larger_than_the_kv_budget_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("overrides", "says"), [
     (("schedule=async", "workload.concurrency=2"), "only they serve batched rounds"),
-    (("backend=real", "workload.concurrency=2", "schedule=sync", "schedule.tree=true"), "the batched real rounds"),
+    (("backend=real", "workload.concurrency=2", "placement.target_gpus=2"), "the batched rounds run in one process"),
     (("serving.max_batch=4",), "has no effect"),
     (("workload.concurrency=2", "workload.rate=3"), "workload.arrival=poisson"),
 ])
