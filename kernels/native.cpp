@@ -26,6 +26,14 @@
 // first block only. Activations are packed per block as [K][MR] fp32 (bf16 ones widened exactly;
 // AVX512-BF16: [K/2][MR] bf16 pairs), a few KB.
 //
+// Where many rows are compute bound (8-64 rows, docs/kernels.md) the tile is not all: in a
+// batched forward (16 requests x 4 tokens, bf16, AVX2) attention took ~23% of the time, its scores
+// one FMA chain per (row, 8 keys) behind scalar key transposes; with 2 rows x 4 key blocks of
+// chains in flight, 8 x 8 vector transposes and V loaded once for 4 rows it takes ~11%, with the
+// same results bit for bit. Widening each bf16 chunk once for all blocks (into an fp32 copy in
+// L1) instead of once per block measured no gain (0.86-1.05x on the layers' GEMMs at 8-64 rows,
+// benchmarks/bench_gemm_rows.py): the widening is not what holds bf16 back there.
+//
 // ISAs (compile time, -march=native): AVX-512F (16 lanes, MR <= 12), AVX-512 BF16 for bf16
 // weights, AVX2 + FMA (8 lanes, MR <= 6), or a portable vector-extension path (8 lanes, MR <= 6).
 // Accumulation is fp32; bf16 products are exact; outputs are rounded to nearest-even.
