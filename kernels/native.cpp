@@ -26,6 +26,14 @@
 // first block only. Activations are packed per block as [K][MR] fp32 (bf16 ones widened exactly;
 // AVX512-BF16: [K/2][MR] bf16 pairs), a few KB.
 //
+// Where many rows are compute bound (8-64 rows, docs/kernels.md) the tile is not all: in a
+// batched forward (16 requests x 4 tokens, bf16, AVX2) attention took ~23% of the time, its scores
+// one FMA chain per (row, 8 keys) behind scalar key transposes; with 2 rows x 4 key blocks of
+// chains in flight, 8 x 8 vector transposes and V loaded once for 4 rows it takes ~11%, with the
+// same results bit for bit. Widening each bf16 chunk once for all blocks (into an fp32 copy in
+// L1) instead of once per block measured no gain (0.86-1.05x on the layers' GEMMs at 8-64 rows,
+// benchmarks/bench_gemm_rows.py): the widening is not what holds bf16 back there.
+//
 // ISAs (compile time, -march=native): AVX-512F (16 lanes, MR <= 12), AVX-512 BF16 for bf16
 // weights, AVX2 + FMA (8 lanes, MR <= 6), or a portable vector-extension path (8 lanes, MR <= 6).
 // Accumulation is fp32; bf16 products are exact; outputs are rounded to nearest-even.
@@ -564,6 +572,75 @@ inline void rope_head(float* x, const float* cos, const float* sin, long d) {
 inline __m256i first_lanes(long n) {  // lanes [0, n) set (all for n >= 8)
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
+
+// 8 keys (rows of k, d a multiple of 8) transposed into kt [d][8] fp32, 8 x 8 at a time
+template <typename C>
+inline void transpose_keys(const C* k, long d, float* kt) {
+    for (long i0 = 0; i0 < d; i0 += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) {
+            if constexpr (sizeof(C) == 2) {
+                const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(k + j * d + i0));
+                r[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+            } else {
+                r[j] = _mm256_loadu_ps(reinterpret_cast<const float*>(k) + j * d + i0);
+            }
+        }
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+        float* o = kt + i0 * 8;
+        _mm256_store_ps(o + 0 * 8, _mm256_permute2f128_ps(u0, u4, 0x20));
+        _mm256_store_ps(o + 1 * 8, _mm256_permute2f128_ps(u1, u5, 0x20));
+        _mm256_store_ps(o + 2 * 8, _mm256_permute2f128_ps(u2, u6, 0x20));
+        _mm256_store_ps(o + 3 * 8, _mm256_permute2f128_ps(u3, u7, 0x20));
+        _mm256_store_ps(o + 4 * 8, _mm256_permute2f128_ps(u0, u4, 0x31));
+        _mm256_store_ps(o + 5 * 8, _mm256_permute2f128_ps(u1, u5, 0x31));
+        _mm256_store_ps(o + 6 * 8, _mm256_permute2f128_ps(u2, u6, 0x31));
+        _mm256_store_ps(o + 7 * 8, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+}
+#endif
+
+#if defined(SB_AVX2)
+// out rows [row0, row0 + R) of attention (row = r T + t: query head h0 + r of token t) = their
+// probabilities p [rows][S] times V [S][d], 16 dimensions at a time, one FMA chain over s per output
+template <typename C, int R>
+inline void weigh_values(const float* p, const C* vh, long S, long d, long row0, long T, long hq, long h0,
+                         float* out) {
+    for (long i0 = 0; i0 < d; i0 += 16) {
+        __m256 o[R][2];
+        for (int r = 0; r < R; ++r) o[r][0] = o[r][1] = _mm256_setzero_ps();
+        for (long s = 0; s < S; ++s) {
+            __m256 v0, v1;
+            if constexpr (sizeof(C) == 2) {
+                const __m128i* vs = reinterpret_cast<const __m128i*>(vh + s * d + i0);
+                v0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(vs)), 16));
+                v1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(vs + 1)), 16));
+            } else {
+                const float* vs = reinterpret_cast<const float*>(vh) + s * d + i0;
+                v0 = _mm256_loadu_ps(vs);
+                v1 = _mm256_loadu_ps(vs + 8);
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m256 ps = _mm256_broadcast_ss(p + (row0 + r) * S + s);
+                o[r][0] = _mm256_fmadd_ps(ps, v0, o[r][0]);
+                o[r][1] = _mm256_fmadd_ps(ps, v1, o[r][1]);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const long row = row0 + r;
+            float* dst = out + (row % T) * hq * d + (h0 + row / T) * d + i0;
+            _mm256_storeu_ps(dst, o[r][0]);
+            _mm256_storeu_ps(dst + 8, o[r][1]);
+        }
+    }
+}
 #endif
 
 // Sum of p[0, n) front to back, one chain: exact zeros (keys this row may not see) change nothing,
@@ -576,6 +653,21 @@ inline float sequential_sum(const float* p, long n) {
     float sum = 0.f;
     for (long s = 0; s < n; ++s) sum += p[s];
     return sum;
+}
+// sequential_sum of nr <= 4 rows p [nr][n] at once, each the same chain
+inline void sequential_sums(const float* p, long n, long nr, float* sum) {
+    if (nr < 4) {
+        for (long j = 0; j < nr; ++j) sum[j] = sequential_sum(p + j * n, n);
+        return;
+    }
+    float a = 0.f, b = 0.f, c = 0.f, e = 0.f;
+    for (long s = 0; s < n; ++s) {
+        a += p[s];
+        b += p[n + s];
+        c += p[2 * n + s];
+        e += p[3 * n + s];
+    }
+    sum[0] = a, sum[1] = b, sum[2] = c, sum[3] = e;
 }
 
 // Grouped-query attention of T tokens over cache slots [0, S): the rep = Hq/Hkv query heads of
@@ -609,7 +701,44 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
     }
 #elif defined(SB_AVX2)
     {
-        alignas(32) float kt[512 * 8];
+        // Groups of G blocks of 8 keys first: one FMA chain per score is 4 cycles per step, so a
+        // row walks the G blocks (and two rows at a time) to keep 2G chains in flight; each score
+        // is still the one chain over i below (the same result as the single-block loop).
+        constexpr long G = 4;
+        alignas(32) float kt[G * (D > 0 ? D : 512) * 8];
+        const __m256 sc = _mm256_set1_ps(scale);
+        for (; s0 + G * 8 <= S && d % 8 == 0; s0 += G * 8) {
+            for (long b = 0; b < G; ++b) transpose_keys(kh + (s0 + 8 * b) * d, d, kt + b * d * 8);
+            long row = 0;
+            for (; row + 2 <= rows; row += 2) {
+                const float* qa = q + (row % T) * qkv + (g * rep + row / T) * d;
+                const float* qb = q + ((row + 1) % T) * qkv + (g * rep + (row + 1) / T) * d;
+                __m256 a[G], c[G];
+                for (long b = 0; b < G; ++b) a[b] = c[b] = _mm256_setzero_ps();
+                for (long i = 0; i < d; ++i) {
+                    const __m256 xa = _mm256_set1_ps(qa[i]), xb = _mm256_set1_ps(qb[i]);
+                    for (long b = 0; b < G; ++b) {
+                        const __m256 kb = _mm256_load_ps(kt + (b * d + i) * 8);
+                        a[b] = _mm256_fmadd_ps(xa, kb, a[b]);
+                        c[b] = _mm256_fmadd_ps(xb, kb, c[b]);
+                    }
+                }
+                for (long b = 0; b < G; ++b) {
+                    _mm256_storeu_ps(p + row * S + s0 + 8 * b, _mm256_mul_ps(a[b], sc));
+                    _mm256_storeu_ps(p + (row + 1) * S + s0 + 8 * b, _mm256_mul_ps(c[b], sc));
+                }
+            }
+            for (; row < rows; ++row) {
+                const float* qa = q + (row % T) * qkv + (g * rep + row / T) * d;
+                __m256 a[G];
+                for (long b = 0; b < G; ++b) a[b] = _mm256_setzero_ps();
+                for (long i = 0; i < d; ++i) {
+                    const __m256 xa = _mm256_set1_ps(qa[i]);
+                    for (long b = 0; b < G; ++b) a[b] = _mm256_fmadd_ps(xa, _mm256_load_ps(kt + (b * d + i) * 8), a[b]);
+                }
+                for (long b = 0; b < G; ++b) _mm256_storeu_ps(p + row * S + s0 + 8 * b, _mm256_mul_ps(a[b], sc));
+            }
+        }
         for (; s0 < S; s0 += 8) {
             const long nb = S - s0 < 8 ? S - s0 : 8;
             for (long j = 0; j < 8; ++j)
@@ -646,18 +775,38 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
     }
     for (long row = 0; row < rows; ++row) {  // softmax; a row with no allowed key gives NaN, as SDPA
         float* pr = p + row * S;
-        float mx = -INFINITY, sum = 0.f;
+        float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
         for (long s = 0; s < S; ++s) mx = pr[s] > mx ? pr[s] : mx;
 #pragma omp simd
         for (long s = 0; s < S; ++s) pr[s] -= mx;
         exp_inplace(pr, S);
-        sum = sequential_sum(pr, S);
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (long s = 0; s < S; ++s) pr[s] *= inv;
     }
-    for (long row = 0; row < rows; ++row) {
+    for (long row0 = 0; row0 < rows; row0 += 4) {  // 4 rows' sums side by side: 4 add chains in flight
+        const long nr = std::min(4l, rows - row0);
+        float sum[4];
+        sequential_sums(p + row0 * S, S, nr, sum);
+        for (long j = 0; j < nr; ++j) {
+            float* pr = p + (row0 + j) * S;
+            const float inv = 1.f / sum[j];
+#pragma omp simd
+            for (long s = 0; s < S; ++s) pr[s] *= inv;
+        }
+    }
+    long row = 0;
+#if defined(SB_AVX2)
+    // Four rows at a time over 16 dimensions: each V row loaded (and widened) once for the four;
+    // every output is the same FMA chain over s as below.
+    if (d % 16 == 0)
+        for (; row + 4 <= rows; row += 4) weigh_values<C, 4>(p, vh, S, d, row, T, hq, g * rep, out);
+    if (d % 16 == 0 && row < rows) {
+        if (rows - row == 3) weigh_values<C, 3>(p, vh, S, d, row, T, hq, g * rep, out);
+        else if (rows - row == 2) weigh_values<C, 2>(p, vh, S, d, row, T, hq, g * rep, out);
+        else weigh_values<C, 1>(p, vh, S, d, row, T, hq, g * rep, out);
+        row = rows;
+    }
+#endif
+    for (; row < rows; ++row) {
         const long r = row / T, t = row % T;
         const float* pr = p + row * S;
         float o[D > 0 ? D : 512];
