@@ -66,10 +66,10 @@ decode_layers = _DEFAULTS["decode_layers"]
 def preferred_dtype(device: str = "cpu") -> str:
     """What ``real.dtype=auto`` runs: bf16 on a GPU and on a CPU where the native kernels run, else
     fp32 (PyTorch's bf16 matmul on a CPU without AVX512-BF16 runs at < 1 GFLOP/s). bf16 reads half
-    the bytes: on the AVX2 host a 1-4-token forward takes half the fp32 time, an 8-token one ~0.9x,
-    and at 13-16 tokens, compute bound in both dtypes, bf16's widening in registers makes it up to
-    ~1.2x slower (``benchmarks/bench_verify.py``); the decode steps and verification windows that
-    speculative decoding runs are mostly in the first range."""
+    the bytes: on the AVX2 host a 1-4-token forward takes about half the fp32 time (0.5-0.6x), an
+    8-token one ~0.8x, and at 12-16 tokens, compute bound in both dtypes, about the same
+    (``benchmarks/bench_verify.py``); the decode steps and verification windows that speculative
+    decoding runs are mostly in the first range."""
     if device != "cpu":
         return "bf16"
     return "bf16" if native.AVAILABLE else "fp32"
