@@ -60,24 +60,34 @@ def add_batch_probes(pr: Any, model: Any, *, name: str, role: str, batches: list
         out = {}
         for cls in TEMPERATURES:
             raw = [[pr.value((name, "batch", cls, b, k)) for k in ks] for b in batches]
-            # more tokens per request never take less time (pool adjacent violators per B)
-            out[cls] = {"k": ks, "batch": batches, "context": BATCH_CONTEXT,
-                        "seconds": [isotonic(row) for row in raw], "raw": raw}
+            out[cls] = {"k": ks, "batch": batches, "context": BATCH_CONTEXT, "seconds": monotone_2d(raw),
+                        "raw": raw}
         return out
     return build
+
+
+def monotone_2d(raw: list[list[float]], rounds: int = 3) -> list[list[float]]:
+    """raw[B][k] made non-decreasing in k (more tokens per request) and in B (more requests):
+    pool adjacent violators along each axis in turn; a decrease along either is noise."""
+    t = [list(row) for row in raw]
+    for _ in range(rounds):
+        t = [isotonic(row) for row in t]
+        cols = [isotonic(list(col)) for col in zip(*t)]
+        t = [list(row) for row in zip(*cols)]
+    return t
 
 
 def add_batch_tables(models: dict[str, Any], measured: dict[str, tuple[str, Any]], *, probes: Any,
                      grid: Any, log: Callable[[str], None]) -> None:
     """Measure the batched tables of ``measured`` (name -> (role, model)) in interleaved passes
-    (half the passes of the one-request tables: every probe here is a larger forward) and add
-    them to ``models[name]["batch"]``; ``probes``: an empty real.calibrate.profile.Probes, ``grid``
-    its Grid."""
+    (as many as the one-request tables': three left single bursts of load in the medians) and
+    add them to ``models[name]["batch"]``; ``probes``: an empty real.calibrate.profile.Probes,
+    ``grid`` its Grid."""
     pr = probes
     builders = {name: add_batch_probes(pr, model, name=name, role=role, batches=grid.batches,
                                        ks=grid.batch_target_k if role == "target" else grid.batch_draft_k)
                 for name, (role, model) in measured.items()}
-    repeats = max(2, grid.repeats // 2)
+    repeats = grid.repeats
     log(f"batched forwards: {len(pr.fns)} probes x {repeats} passes ({', '.join(builders)})")
     pr.run(repeats, seed=3)
     for name, build in builders.items():

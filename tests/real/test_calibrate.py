@@ -69,3 +69,14 @@ def test_gloo_message_benchmark_fits_alpha_beta() -> None:
     res = measure_messages([4, 65536, 4194304], repeats=20)
     assert res["alpha_s"] >= 0 and res["beta_s_per_byte"] > 0
     assert res["seconds"][-1] > res["seconds"][0]
+
+
+def test_batched_tables_never_decrease_in_tokens_or_requests() -> None:
+    from real.calibrate.batch import monotone_2d
+
+    raw = [[23.1, 19.5, 29.0], [20.3, 22.3, 29.7], [33.5, 59.1, 55.0], [61.1, 51.3, 118.5]]
+    t = monotone_2d(raw)
+    assert all(b >= a for row in t for a, b in zip(row, row[1:]))
+    assert all(b >= a for col in zip(*t) for a, b in zip(col, col[1:]))
+    assert t[3][2] == 118.5 and t[1][2] == 29.7  # cells without a violation kept
+    assert min(map(min, raw)) <= min(map(min, t)) and max(map(max, t)) <= max(map(max, raw))
