@@ -4,6 +4,11 @@ profile cost model: per model, one round's forward over B requests x k tokens ea
 (the target: each request's distributions, as ``TargetRunner.probs``; a draft: the distribution
 and pick of each request's next guess, as ``ChainWindow.take``).
 
+They are timed in the same interleaved passes as the one-request tables (real/calibrate/profile.py),
+so that the correction a run's probe forward makes to those tables (sim.profile_drift=run_probe)
+applies to these alike: timed in passes of their own they came out ~20 % faster than the
+one-request tables' regime, and the correction then under-predicted every batched round.
+
 Why measured and not composed from the one-request tables: a batched forward is neither the
 forward of its total tokens (each request attends over its own cache, and the per-request work
 after it grows with B) nor B forwards (the weights are read once); on this host the additive
@@ -35,7 +40,8 @@ def add_batch_probes(pr: Any, model: Any, *, name: str, role: str, batches: list
 
     gen = torch.Generator().manual_seed(7)
     vocab = model.args.vocab_size
-    rows = CacheRows(model, max(batches), BATCH_CONTEXT + max(ks) + 2)
+    # row 0 stays the model's batch-1 cache (the one-request probes' slots, up to the longest context)
+    rows = CacheRows(model, max(batches), max(model.max_seq, BATCH_CONTEXT + max(ks) + 2))
     prompt = torch.randint(vocab, (BATCH_CONTEXT,), generator=gen).tolist()
     for r in range(1, max(batches) + 1):
         rows.prefill(r, prompt)
@@ -75,24 +81,3 @@ def monotone_2d(raw: list[list[float]], rounds: int = 3) -> list[list[float]]:
         cols = [isotonic(list(col)) for col in zip(*t)]
         t = [list(row) for row in zip(*cols)]
     return t
-
-
-def add_batch_tables(models: dict[str, Any], measured: dict[str, tuple[str, Any]], *, probes: Any,
-                     grid: Any, log: Callable[[str], None]) -> None:
-    """Measure the batched tables of ``measured`` (name -> (role, model)) in interleaved passes
-    (as many as the one-request tables': three left single bursts of load in the medians) and
-    add them to ``models[name]["batch"]``; ``probes``: an empty real.calibrate.profile.Probes,
-    ``grid`` its Grid."""
-    pr = probes
-    builders = {name: add_batch_probes(pr, model, name=name, role=role, batches=grid.batches,
-                                       ks=grid.batch_target_k if role == "target" else grid.batch_draft_k)
-                for name, (role, model) in measured.items()}
-    repeats = grid.repeats
-    log(f"batched forwards: {len(pr.fns)} probes x {repeats} passes ({', '.join(builders)})")
-    pr.run(repeats, seed=3)
-    for name, build in builders.items():
-        models[name]["batch"] = build()
-        t = models[name]["batch"]["greedy"]
-        for b, row in zip(t["batch"], t["seconds"]):
-            log(f"{name} batch={b} context={BATCH_CONTEXT}: " + " ".join(
-                f"k{k}={1e3 * v:.1f}" for k, v in zip(t["k"], row)) + " ms")

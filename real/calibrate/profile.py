@@ -274,6 +274,18 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, *, grid: Grid 
                     builders[d.name] = add_draft_probes(pr, d, vocab=target.args.vocab_size, grid=grid, prompt=prompt, make=make)
                 except Exception as e:  # noqa: BLE001 - one unusable draft must not lose the rest
                     log(f"draft {d.name}: skipped ({type(e).__name__}: {e})")
+            # batched forwards (continuous batching) in the same passes: interleaved with the
+            # one-request probes, they are timed in the same regime as the tables a run's probe
+            # forward corrects (real/calibrate/batch.py)
+            from real.calibrate.batch import add_batch_probes
+
+            batched = {t.name: ("target", target)}
+            for d in drafts_to_measure(exp):
+                if d.kind == "transformer" and d.name in builders:
+                    batched[d.name] = ("draft", _make_draft(exp, d, target, tokenizer, params=SamplingParams()).model)
+            batch_builders = {name: add_batch_probes(pr, model, name=name, role=role, batches=grid.batches,
+                                                     ks=grid.batch_target_k if role == "target" else grid.batch_draft_k)
+                              for name, (role, model) in batched.items()}
             log(f"{len(pr.fns)} probes x {grid.repeats} interleaved passes; models: {', '.join(builders)}")
             # the probe a prediction repeats to correct for drift (sim.profile_drift=forward),
             # around the tables it stands for
@@ -282,6 +294,8 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, *, grid: Grid 
             pr.run(grid.repeats, log=log)
             fwd_after = time_functions(fwd)
             models = {name: build() for name, build in builders.items()}
+            for name, build in batch_builders.items():
+                models[name]["batch"] = build()
             from real.calibrate.sampling import add_sampling_tables  # per mode: top-k/top-p extra
             add_sampling_tables(exp, target, prompt=prompt, models=models, drafts=drafts_to_measure(exp), log=log)
             from real.calibrate.tree import (  # tree expansions
@@ -290,13 +304,6 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, *, grid: Grid 
             )
             add_tree_tables(models, drafts_to_measure(exp), dtypes[real_dtype(exp)], log=log)
             add_ngram_tree_tables(models, drafts_to_measure(exp), target.args.vocab_size, log=log)
-            from real.calibrate.batch import add_batch_tables  # continuous batching
-
-            batched = {t.name: ("target", target)}
-            for d in drafts_to_measure(exp):
-                if d.kind == "transformer" and d.name in models:
-                    batched[d.name] = ("draft", _make_draft(exp, d, target, tokenizer, params=SamplingParams()).model)
-            add_batch_tables(models, batched, probes=Probes(), grid=grid, log=log)
             _log_tables(models, log)
             threads = torch.get_num_threads()
     finally:
@@ -378,6 +385,11 @@ def _log_tables(models: dict[str, Any], log: Callable[[str], None]) -> None:
         if "propose" in m:
             t = m["propose"]["greedy"]
             log(f"{name} propose: " + " ".join(f"c{c}={1e6 * v:.0f}" for c, v in zip(t["context"], t["seconds"])) + " µs")
+        if "batch" in m:
+            t = m["batch"]["greedy"]
+            for b, row in zip(t["batch"], t["seconds"]):
+                log(f"{name} batch={b} context={t['context']}: " + " ".join(
+                    f"k{k}={1e3 * v:.1f}" for k, v in zip(t["k"], row)) + " ms")
         if "prefill" in m:
             t = m["prefill"]
             log(f"{name} prefill: " + " ".join(f"{n}={1e3 * v:.0f}" for n, v in zip(t["prompt_len"], t["seconds"])) + " ms")
