@@ -26,7 +26,7 @@ from testbed.app.preflight import preflight
 from testbed.app.sweeps import checked_jobs
 from testbed.config import real_dtype
 from tests.conftest import ROOT, compose_exp
-from tests.sim.test_cost_profile_tp import TABLES, profile_with_tp
+from tests.sim.test_cost_profile_tp import BATCH_TABLES, TABLES, profile_with_tp
 
 PAIR = "pair=smollm2_135m+smollm2_draft"
 
@@ -52,6 +52,8 @@ def full_profile(exp, tp: bool = True, threads: int = PROFILE_THREADS, cores: in
         m.pop("tp", None)
         if tp and m["kind"] == "transformer":
             m["tp"] = TABLES
+        if m["kind"] == "transformer":
+            m["batch"] = BATCH_TABLES
     prof.update(schema=SCHEMA, dtype=real_dtype(exp), threads=threads, cores=cores,
                 probe={"gbps": 10.0, "forward_s": {name: 0.01 for name in prof["models"]}})
     return prof

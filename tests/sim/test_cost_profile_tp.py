@@ -41,7 +41,14 @@ def profile_with_tp() -> dict:
                                        "tp": TABLES}
     # every draft available here is in a current profile: the shipped eagle head too
     prof["models"]["smollm2_eagle"] = {**prof["models"]["smollm2_exit10"], "kind": "eagle", "tp": TABLES}
+    for name in ("smollm2_135m", "smollm2_draft"):  # batched forwards (real/calibrate/batch.py)
+        prof["models"][name]["batch"] = BATCH_TABLES
     return prof
+
+
+# B requests x k tokens at 128 cached tokens: the weights once, a share per row and request
+BATCH_TABLES = {"greedy": {"k": [1, 2], "batch": [1, 2], "context": 128,
+                           "seconds": [[0.020, 0.021], [0.021, 0.023]]}}
 
 
 def tree_cost(tp: int, profile: dict) -> ProfileCost:

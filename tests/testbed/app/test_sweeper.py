@@ -102,15 +102,15 @@ def test_validate_sweep_has_the_async_grid() -> None:
 
 
 def test_validate_covers_every_family_at_a_default_size_that_fits_90_minutes() -> None:
-    """Chain, serial tree, DSD, async and the lookahead policies in one default sweep of 168
-    jobs (~1 hour measured); each dynamic policy's cap is a static γ of the chain grid, whose
+    """Chain, serial tree, DSD, async, the lookahead policies and serving under load in one
+    default sweep of 186 jobs (~73 minutes measured); each dynamic policy's cap is a static γ of the chain grid, whose
     trace its prediction replays (sim/oracle/trace.py prefers static recordings)."""
     from tests.conftest import compose_exp
 
     sw = OmegaConf.load(CONF / "sweep" / "validate.yaml").hydra.sweeper
     grids = OmegaConf.to_container(sw.grids)
     every = jobs(GridsSweeper(params=dict(sw.params), grids=grids))
-    assert len(every) == 168
+    assert len(every) == 186
     chain_gammas = {int(g) for g in str(sw.params["schedule.gamma"]).split(",")}
     policies = {}
     for name in ("lookahead", "disco"):
@@ -121,4 +121,8 @@ def test_validate_covers_every_family_at_a_default_size_that_fits_90_minutes() -
             policies[exp.lookahead.policy] = exp.schedule.gamma
             assert exp.sampling.temperature == 0.0 and exp.pair.name == "smollm2_135m+smollm2_draft"
     assert set(policies) == {"heuristic", "confidence", "oracle", "disco"}
+    load = [compose_exp("+sweep=validate", *job) for job in jobs(GridsSweeper(params=dict(sw.params), grids=grids,
+                                                                              only=["load"]))
+            if job[-1] == "+validate=measure"]
+    assert {(e.schedule.name, e.workload.concurrency) for e in load} == {(s, c) for s in ("sync", "ar") for c in (2, 4, 8)}
     assert set(policies.values()) <= chain_gammas
