@@ -3,7 +3,7 @@ between rounds the server admits waiting requests while the batch holds fewer th
 ``serving.max_batch`` and their KV reservations fit ``serving.kv_budget_tokens``. A request
 reserves its prompt, its ``max_new_tokens`` and one verification window at admission and frees
 them when done, so admission alone keeps the cache within its budget (sim/runtime/batching.py,
-real/runtime/batching.py)."""
+real/runtime/batching.py). Also the per-request bookkeeping both backends' batched rounds share."""
 
 from __future__ import annotations
 
@@ -74,3 +74,23 @@ class Admission:
 
     def release(self, req: Request) -> None:
         self.kv_used -= kv_need(req, self.window)
+
+
+class Served(Protocol):
+    """What the batched rounds of both backends keep per running request (their ``Active``)."""
+
+    req: Request
+    rounds: int
+    first_token_s: float
+
+
+def span_request(running: list[Served]) -> int:
+    """A batched span's request: the one served, or -1 for a batch of several."""
+    return running[0].req.request_id if len(running) == 1 else -1
+
+
+def count_round(a: Served, now: float) -> None:
+    """One more round of ``a``; its first round's end is its first token."""
+    a.rounds += 1
+    if a.rounds == 1:
+        a.first_token_s = now

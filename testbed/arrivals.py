@@ -81,3 +81,14 @@ def read_trace(path: str | Path) -> list[TraceRow]:
         rows.append(TraceRow(t, int(n_in), int(n_out)))
         last = t
     return rows
+
+
+def arrival_times(exp, n: int) -> list[float] | None:  # type: ignore[no-untyped-def]  # ExperimentConfig
+    """Each of ``n`` requests' arrival after the run's start, the same on both backends (poisson:
+    from the run's seed; trace: its rows), None for a closed loop."""
+    w = exp.workload
+    if w.arrival == "poisson":
+        return poisson_times(n, w.rate, exp.seed)
+    if w.arrival == "trace":
+        return [row.arrival_s for row in read_trace(w.trace_path)][:n]
+    return None

@@ -32,6 +32,7 @@ draft and target times); timeline spans with the batch size.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +43,8 @@ from real.model.drafts import ChainWindow, Draft, EarlyExitDraft, ModelDraft, Ng
 from real.model.tree_tokens import DraftTreeTokens, TargetTreeTokens, tree_cache_slots
 from real.runtime.context import RealContext, RealRequest, finish
 from real.runtime.rendezvous import Rendezvous, RowModel
-from testbed.admission import Admission
-from testbed.arrivals import poisson_times, read_trace
+from testbed.admission import Admission, count_round, span_request
+from testbed.arrivals import arrival_times
 from testbed.recorder import RequestRecord
 from testbed.schedules import spec_of
 from testbed.spec.lookahead import lookahead_for
@@ -83,17 +84,6 @@ def batch_rows(exp: Any, n_requests: int) -> int:
     return max(1, min(cap, most))
 
 
-def arrival_offsets(exp: Any, n: int) -> list[float] | None:
-    """Each request's arrival after the run's start (poisson: from the run's seed, as in the
-    simulator), None for a closed loop."""
-    w = exp.workload
-    if w.arrival == "poisson":
-        return poisson_times(n, w.rate, exp.seed)
-    if w.arrival == "trace":
-        return [row.arrival_s for row in read_trace(w.trace_path)][:n]
-    return None
-
-
 @torch.inference_mode()
 def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int) -> None:
     """Serve ``requests`` under the run's load until every one is answered."""
@@ -109,17 +99,17 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
     meet = Rendezvous() if tree else None
     queue = Admission(exp)
     t_start = ctx.now()
-    offsets = arrival_offsets(exp, len(requests))
-    unsent = list(requests)
-    timed = [t_start + t for t in offsets] if offsets is not None else []
+    offsets = arrival_times(exp, len(requests))
+    unsent = deque(requests)
+    timed = deque(t_start + t for t in offsets) if offsets is not None else deque()
     if offsets is None:  # closed loop: each client sends its next prompt when its last is done
         for _ in range(min(exp.workload.concurrency, len(unsent))):
-            queue.arrive(unsent.pop(0), t_start)
+            queue.arrive(unsent.popleft(), t_start)
     running: list[Active] = []
     finished, r = 0, 0
     while finished < len(requests):
         while timed and unsent and timed[0] <= ctx.now():
-            queue.arrive(unsent.pop(0), timed.pop(0))
+            queue.arrive(unsent.popleft(), timed.popleft())
         if not running and not queue.waiting:
             time.sleep(max(0.0, timed[0] - ctx.now()))  # idle until the next arrival
             continue
@@ -148,7 +138,7 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
             finished += 1
             _record(ctx, a)
             if offsets is None and unsent:
-                queue.arrive(unsent.pop(0), ctx.now())
+                queue.arrive(unsent.popleft(), ctx.now())
 
 
 def _admit(ctx: RealContext, req: RealRequest, *, arrived: float, admitted: float,
@@ -203,9 +193,9 @@ def _ar_round(ctx: RealContext, running: list[Active], r: int) -> None:
         a.out, a.done = finish(a.out, [t], a.req.max_new_tokens, ctx.eos)
         ctx.rec.round(request_id=a.req.request_id, round_idx=a.rounds, start_s=s, end_s=e, drafted=0,
                       checked=0, accepted=0, emitted=1, verified_tokens=1, draft_s=0.0, target_s=e - s)
-        _first_token(a, e)
+        count_round(a, e)
         ctx.on_tokens(1)
-    ctx.rec.span("target", "decode", s, e, request_id=_one(running), round_idx=r, batch=len(running))
+    ctx.rec.span("target", "decode", s, e, request_id=span_request(running), round_idx=r, batch=len(running))
 
 
 def _sync_round(ctx: RealContext, running: list[Active], r: int, draft_model: Any) -> None:
@@ -254,11 +244,11 @@ def _sync_round(ctx: RealContext, running: list[Active], r: int, draft_model: An
         ctx.rec.round(request_id=a.req.request_id, round_idx=a.rounds, start_s=s, end_s=e, drafted=k,
                       checked=n + (n < k), accepted=n, emitted=len(a.out) - before, verified_tokens=k + 1,
                       draft_s=m - s, target_s=e - m)
-        _first_token(a, e)
+        count_round(a, e)
         ctx.on_tokens(len(a.out) - before)
     ctx.extra["draft_forwards"] = ctx.extra.get("draft_forwards", 0) + forwards
-    ctx.rec.span("draft", "draft", s, m, request_id=_one(running), round_idx=r, batch=len(running))
-    ctx.rec.span("target", "verify", m, e, request_id=_one(running), round_idx=r, batch=len(running))
+    ctx.rec.span("draft", "draft", s, m, request_id=span_request(running), round_idx=r, batch=len(running))
+    ctx.rec.span("target", "verify", m, e, request_id=span_request(running), round_idx=r, batch=len(running))
 
 
 def _grow_tree(ctx: RealContext, a: Active, meet: Rendezvous, *, target_rows: CacheRows,
@@ -301,24 +291,13 @@ def _tree_round(ctx: RealContext, running: list[Active], r: int, meet: Rendezvou
         ctx.rec.round(request_id=a.req.request_id, round_idx=a.rounds, start_s=s, end_s=e,
                       drafted=len(batch) - 1, checked=res.checked, accepted=res.accepted,
                       emitted=len(a.out) - before, verified_tokens=len(batch), draft_s=m - s, target_s=e - m)
-        _first_token(a, e)
+        count_round(a, e)
         ctx.on_tokens(len(a.out) - before)
         ctx.extra.update(a.drafter.summary_fields(), tree_depth_used=depth)
-    rid, n = _one(running), len(running)
+    rid, n = span_request(running), len(running)
     ctx.rec.span("draft", "draft", s, m, request_id=rid, round_idx=r, batch=n)
     ctx.rec.span("target", "verify", m, e, request_id=rid, round_idx=r, batch=n)
     ctx.rec.span("draft", "reroot", e, ctx.now(), request_id=rid, round_idx=r, batch=n)
-
-
-def _one(running: list[Active]) -> int:
-    """A span's request: the one served, or -1 for a batch of several."""
-    return running[0].req.request_id if len(running) == 1 else -1
-
-
-def _first_token(a: Active, now: float) -> None:
-    a.rounds += 1
-    if a.rounds == 1:
-        a.first_token_s = now
 
 
 def _record(ctx: RealContext, a: Active) -> None:

@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sim.runtime.context import SimContext, SimRequest
-from testbed.admission import Admission
-from testbed.arrivals import poisson_times
+from testbed.admission import Admission, count_round, span_request
 from testbed.recorder import RequestRecord
 from testbed.schedules import spec_of
 from testbed.spec.lookahead import lookahead_for
@@ -154,8 +153,8 @@ def _ar_round(ctx: SimContext, running: list[Active], r: int) -> Generator[Any, 
         a.seq_len += 1
         rec.round(request_id=a.req.request_id, round_idx=a.rounds, start_s=s, end_s=env.now, drafted=0,
                   checked=0, accepted=0, emitted=1, verified_tokens=1, draft_s=0.0, target_s=dt)
-        _first_token(a, env.now)
-    rec.span("target", "decode", s, env.now, request_id=_one(running), round_idx=r, batch=len(running))
+        count_round(a, env.now)
+    rec.span("target", "decode", s, env.now, request_id=span_request(running), round_idx=r, batch=len(running))
 
 
 def _sync_round(ctx: SimContext, running: list[Active], r: int) -> Generator[Any, Any, None]:
@@ -191,10 +190,10 @@ def _sync_round(ctx: SimContext, running: list[Active], r: int) -> Generator[Any
         rec.round(request_id=a.req.request_id, round_idx=a.rounds, start_s=s, end_s=env.now, drafted=k,
                   checked=n + (n < k), accepted=n, emitted=emitted, verified_tokens=k + 1,
                   draft_s=draft_s, target_s=target_s)
-        _first_token(a, env.now)
+        count_round(a, env.now)
         ctx.extra["draft_forwards"] = ctx.extra.get("draft_forwards", 0) + (0 if ngram else fw)
-    rec.span("draft", "draft", s, s + draft_s, request_id=_one(running), round_idx=r, batch=len(running))
-    rec.span("target", "verify", s + draft_s, env.now, request_id=_one(running), round_idx=r, batch=len(running))
+    rec.span("draft", "draft", s, s + draft_s, request_id=span_request(running), round_idx=r, batch=len(running))
+    rec.span("target", "verify", s + draft_s, env.now, request_id=span_request(running), round_idx=r, batch=len(running))
 
 
 def _tree_round(ctx: SimContext, running: list[Active], r: int) -> Generator[Any, Any, None]:
@@ -238,9 +237,9 @@ def _tree_round(ctx: SimContext, running: list[Active], r: int) -> Generator[Any
         rec.round(request_id=a.req.request_id, round_idx=a.rounds, start_s=t_round, end_s=env.now,
                   drafted=len(batch) - 1, checked=res.checked, accepted=res.accepted, emitted=emitted,
                   verified_tokens=len(batch), draft_s=draft_s, target_s=target_s)
-        _first_token(a, env.now)
+        count_round(a, env.now)
         a.drafter.advance(res.tokens)
-    rid, n = _one(running), len(running)
+    rid, n = span_request(running), len(running)
     rec.span("draft", "draft", t_round, t_round + draft_s, request_id=rid, round_idx=r, batch=n)
     rec.span("target", "verify", t_round + draft_s, env.now, request_id=rid, round_idx=r, batch=n)
     if reroot_s > 0.0:  # between rounds: in the requests' decode time, in no round's
@@ -248,17 +247,6 @@ def _tree_round(ctx: SimContext, running: list[Active], r: int) -> Generator[Any
         yield env.timeout(reroot_s * n)
         rec.span("draft", "reroot", t, env.now, request_id=rid, round_idx=r, batch=n)
     ctx.extra["tree_depth_used"] = depth
-
-
-def _one(running: list[Active]) -> int:
-    """A span's request: the one served, or -1 for a batch of several."""
-    return running[0].req.request_id if len(running) == 1 else -1
-
-
-def _first_token(a: Active, now: float) -> None:
-    a.rounds += 1
-    if a.rounds == 1:
-        a.first_token_s = now
 
 
 def _record(ctx: SimContext, a: Active) -> None:
@@ -272,15 +260,3 @@ def _record(ctx: SimContext, a: Active) -> None:
         generated=a.generated, prefill_s=a.prefill_s, decode_s=ctx.env.now - a.start_s, rounds=a.rounds,
         arrival_s=a.arrival_s, queue_s=a.admit_s - a.arrival_s, first_token_s=a.first_token_s,
         finish_s=ctx.env.now))
-
-
-def arrival_times(ctx: SimContext, n: int) -> list[float] | None:
-    """Each request's arrival (poisson: from the run's seed), None for a closed loop."""
-    w = ctx.exp.workload
-    if w.arrival == "poisson":
-        return poisson_times(n, w.rate, ctx.exp.seed)
-    if w.arrival == "trace":
-        from testbed.arrivals import read_trace
-
-        return [row.arrival_s for row in read_trace(w.trace_path)][:n]
-    return None

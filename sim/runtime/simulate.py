@@ -13,7 +13,7 @@ from sim.cost.base import CostModel, make_cost_model
 from sim.oracle.base import TokenOracle, make_oracle
 from sim.runtime.context import SimContext, SimRequest
 from sim.schedules import get_schedule
-from testbed.arrivals import read_trace, under_load
+from testbed.arrivals import arrival_times, read_trace, under_load
 from testbed.config import ExperimentConfig
 from testbed.recorder import RunRecorder
 from testbed.schedules import ALL_DEVICES, BASELINE, SAME_PIPELINE, schedule_impl, spec_of
@@ -74,11 +74,11 @@ def simulate(exp: ExperimentConfig, requests: list[SimRequest], *, seed: int,
             yield env.process(schedule(ctx, req))
 
     if under_load(exp.workload) if batched is None else batched:
-        from sim.runtime.batching import arrival_times, serve
+        from sim.runtime.batching import serve
         from testbed.admission import refuse_oversized
 
         refuse_oversized(exp, requests)
-        env.process(serve(ctx, requests, arrivals=arrival_times(ctx, len(requests))))
+        env.process(serve(ctx, requests, arrivals=arrival_times(exp, len(requests))))
     else:
         env.process(serve_all())
     env.run()

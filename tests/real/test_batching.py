@@ -12,7 +12,7 @@ import torch
 
 from kernels import native
 from real.model.batch import CacheRows, Feed, forward_batch
-from real.model.decoder import ModelArgs, Transformer
+from real.model.decoder import ModelArgs
 from real.model.drafts import EarlyExitDraft, ModelDraft, NgramDraft
 from real.model.runners import TargetRunner
 from real.runtime.batching import serve_batched
@@ -20,9 +20,16 @@ from real.runtime.context import RealContext, RealRequest
 from real.schedules.ar import serve_ar
 from real.schedules.sync import serve_sync
 from testbed.recorder import RunRecorder
-from testbed.spec.sampling import SamplingParams, standardize
+from testbed.spec.sampling import SamplingParams
 from tests.conftest import compose_exp, run_cli
-from tests.helpers.real_models import TINY, tiny
+from tests.helpers.real_models import (
+    TINY,
+    TWO_TOKEN_PROMPT,
+    exact_two_token_law,
+    tiny,
+    two_token_pair,
+    two_token_tv,
+)
 
 SMALL = ModelArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48, vocab_size=TINY.vocab_size,
                   rope_theta=10000.0, max_seq_len=64)
@@ -159,34 +166,15 @@ def test_temperature_1_batched_draws_equal_each_request_served_alone() -> None:
 def test_batched_sync_samples_the_target_distribution_at_temperature_1() -> None:
     """Two-token continuations served 8 at a time: the empirical distribution matches the
     target's exact one within a fixed TV tolerance (the draft is far from the target)."""
-    vocab = 4
-    args = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=vocab,
-                     rope_theta=10000.0, max_seq_len=16)
-    target = Transformer(args).init_random(11, std=0.8)
-    draft_model = Transformer(args).init_random(12, std=0.8)
+    target, draft_model = two_token_pair(1)
     params = SamplingParams(temperature=1.0)
-    prompt = [0, 1, 2]
-
-    def dist(model: Transformer) -> torch.Tensor:  # exact P(x1, x2 | prompt)
-        model.setup_cache()
-        with torch.inference_mode():
-            p1 = standardize(model(torch.tensor([prompt]), input_pos=0)[0, -1], params)
-            out = torch.zeros(vocab, vocab)
-            for a in range(vocab):
-                out[a] = p1[a] * standardize(model(torch.tensor([[a]]), input_pos=len(prompt))[0, -1], params)
-        return out.flatten()
-
-    p_exact, q_exact = dist(target), dist(draft_model)
+    p_exact, q_exact = exact_two_token_law(target, params), exact_two_token_law(draft_model, params)
     assert 0.5 * (p_exact - q_exact).abs().sum() > 0.25  # the test has power
     n = 2000
     exp = compose_exp("schedule.gamma=3", "seed=5", "workload.concurrency=8")
     ctx = _batched(exp, target, ModelDraft(draft_model, params, "q"), params,
-                   [RealRequest(i, "p", prompt, 2) for i in range(n)])
-    counts = torch.zeros(vocab * vocab)
-    for r in ctx.rec.requests:
-        a, b = r["output_ids"]
-        counts[a * vocab + b] += 1
-    tv = 0.5 * (counts / n - p_exact).abs().sum()
+                   [RealRequest(i, "p", TWO_TOKEN_PROMPT, 2) for i in range(n)])
+    tv = two_token_tv(ctx.rec.requests, p_exact)
     assert tv < 0.06, tv  # E[TV] of 2000 exact samples over 16 outcomes is ≈ 0.035
     assert ctx.rec.frames()[2]["batch"].max() == 8
 
