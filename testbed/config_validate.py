@@ -134,9 +134,6 @@ def _validate_load(exp: ExperimentConfig) -> None:
                           "batched rounds so far; or serve one request at a time (workload.concurrency=1)")
     if exp.backend == "real":
         _validate_real_load(exp, spec, load)
-    if exp.placement.nodes > 1:
-        raise ConfigError("placement.nodes", exp.placement.nodes, f"1 under load ({load}): a pipeline "
-                          "over nodes serves one request at a time")
 
 
 REAL_MAX_BATCH = 64  # KV-cache rows a real run allocates at most (real/model/batch.py CacheRows)
@@ -146,6 +143,14 @@ def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type
     """What real/runtime/batching.py serves: `ar`, the chain of `sync` (a draft model, early exit
     or prompt lookup) and the serial tree (a draft model), in one process."""
     kind = exp.pair.draft.kind
+    if exp.placement.nodes > 1:
+        raise ConfigError("placement.nodes", exp.placement.nodes, f"1 under load ({load}) on backend=real: "
+                          "a pipeline over nodes serves one request at a time there (backend=sim serves "
+                          "several in flight)")
+    if spec.concurrent:
+        raise ConfigError("schedule", spec.name, f"sync, sync schedule.tree=true or ar under load ({load}) on "
+                          "backend=real: async serves batched rounds in the simulator only so far "
+                          "(backend=sim), or one request at a time (workload.concurrency=1)")
     if (spec.tree or exp.schedule.tree) and kind != "transformer":
         raise ConfigError("pair.draft.kind", kind, f"transformer under load ({load}) with schedule.tree=true on "
                           "backend=real: the batched tree grows on a draft model's own KV-cache rows")

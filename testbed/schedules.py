@@ -20,8 +20,9 @@ variant (``sync_tree`` is ``sync`` with ``schedule.tree=true``). Each implementa
 - ``concurrent``: its groups run at the same time (the profile cost model's contention; a tree's
   depth chosen from both groups' forward times);
 - ``tree``: it verifies token trees (``schedule.tree_*``, the tree's KV slots);
-- ``batches``: it serves many requests in batched rounds under load (``workload.arrival``,
-  ``workload.concurrency``, ``serving.*``: testbed/arrivals.py);
+- ``batches``: it serves many requests at once under load (``workload.arrival``,
+  ``workload.concurrency``, ``serving.*``: testbed/arrivals.py): in batched rounds, or, over a
+  pipeline of nodes, several requests in flight through the stages;
 - ``timeline``, ``color``, ``label``: the report's Gantt charts, colour and run label;
 - ``modules``: the module implementing it per backend (``BACKEND/schedules/FILE.py`` for the
   built-in ones): a backend runs exactly the implementations that name it.
@@ -164,7 +165,7 @@ register(ScheduleSpec(
     "async", TWO_GROUPS, "the draft group grows a tree while the target group verifies the "
     "previous subtree (SwiftSpec 2025)",
     tree=True, reads=_TREES, ar_baseline=ALL_DEVICES, replays=("async", "sync_tree"),
-    trace_from="sync", concurrent=True, timeline=True, color="#E69F00", label="t{target_gpus}",
+    trace_from="sync", concurrent=True, batches=True, timeline=True, color="#E69F00", label="t{target_gpus}",
     modules=_here("async_tree")))
 register(ScheduleSpec(
     "decentralized", PIPELINE, "the target is a pipeline over N nodes on WAN links; a draft "
@@ -172,7 +173,7 @@ register(ScheduleSpec(
     reads=_DRAFTING | {"schedule.adaptive", "schedule.lambda*", "schedule.tau", "schedule.draft_topk",
                        "placement.nodes", "network"},
     ar_baseline=SAME_PIPELINE, replays=("decentralized",), trace_from="decentralized",
-    timeline=True, color="#009E73", modules=_here("decentralized")))
+    batches=True, timeline=True, color="#009E73", modules=_here("decentralized")))
 
 BASELINE = "ar"  # the implementation every speedup is measured against
 

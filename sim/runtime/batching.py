@@ -13,7 +13,10 @@ first (one after the other, the batch waiting), then one round serves every runn
 - ``sync`` with ``schedule.tree=true`` (the serial tree): every request's tree is expanded d
   times (and filled to bs nodes) in batched tree-masked draft forwards (expansion j serves every
   request's j-th), each request selects its subtree, one target forward verifies all subtrees,
-  and the re-roots follow (their bookkeeping serial, one request after another).
+  and the re-roots follow (their bookkeeping serial, one request after another);
+- ``async``: SwiftSpec's two groups, each step over the batch (sim/runtime/batching_async.py).
+
+A pipeline over nodes (``decentralized``) is served by sim/runtime/pipelined.py instead.
 
 Forwards over several requests cost ``CostModel.batch_forward`` (the weights streamed once, each
 request's attention over its own cache). Acceptance is each request's own oracle sequence, as
@@ -32,6 +35,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+from sim.runtime.batching_async import async_prefill, async_round
 from sim.runtime.context import SimContext, SimRequest
 from testbed.admission import Admission, count_round, span_request
 from testbed.recorder import RequestRecord
@@ -54,6 +58,9 @@ class Active:
     prefill_s: float = 0.0
     start_s: float = -1.0  # its first decode round's start
     first_token_s: float = float("nan")
+    end_s: float = float("nan")  # its last token (async: the target's, before the reply's transfer)
+    round_start: float = -1.0  # async: its current round's start (its last reply, or its prefill's end)
+    draft_s: float = 0.0  # async: draft time since its last subtree was sent
     rounds: int = 0
     generated: int = 0
     out: list[int] = field(default_factory=list)  # the tokens, where the oracle has them
@@ -97,7 +104,7 @@ def serve(ctx: SimContext, requests: list[SimRequest], *, arrivals: list[float] 
             yield wake[0]
         admitted = []
         for req, t in queue.admit(len(running)):
-            if spec.tree:  # its token source draws the request's oracle sequence itself
+            if spec.tree:  # (async too) its token source draws the request's oracle sequence itself
                 from sim.oracle.tree_tokens import TimedTreeDrafter, tree_tokens
 
                 a = Active(req, arrival_s=t, admit_s=env.now, seq=None, seq_len=req.prompt_len,
@@ -107,11 +114,18 @@ def serve(ctx: SimContext, requests: list[SimRequest], *, arrivals: list[float] 
                            policy=lookahead_for(exp) if drafts else None, seq_len=req.prompt_len)
             admitted.append(a)
         if admitted:
-            yield from _prefill(ctx, admitted, drafts=drafts)
+            if spec.concurrent:
+                for a in admitted:
+                    yield from async_prefill(ctx, a)
+                    a.round_start = env.now
+            else:
+                yield from _prefill(ctx, admitted, drafts=drafts)
             running.extend(admitted)
         if not running:
             continue
-        if spec.tree:
+        if spec.concurrent:
+            yield from async_round(ctx, running, r)
+        elif spec.tree:
             yield from _tree_round(ctx, running, r)
         elif drafts:
             yield from _sync_round(ctx, running, r)
@@ -250,13 +264,13 @@ def _tree_round(ctx: SimContext, running: list[Active], r: int) -> Generator[Any
 
 
 def _record(ctx: SimContext, a: Active) -> None:
-    q = a.req
+    q, end = a.req, a.end_s if a.end_s == a.end_s else ctx.env.now
     # as the one-at-a-time schedules: sync keeps its tokens, ar and trees only an oracle's real ids
     ids = a.out if a.policy is not None or ctx.oracle.produces_ids else []
     if a.drafter is not None:
         ctx.extra.update(a.drafter.summary_fields())
     ctx.rec.request(RequestRecord(
         request_id=q.request_id, prompt_id=q.prompt_id, prompt_len=q.prompt_len, output_ids=ids,
-        generated=a.generated, prefill_s=a.prefill_s, decode_s=ctx.env.now - a.start_s, rounds=a.rounds,
+        generated=a.generated, prefill_s=a.prefill_s, decode_s=end - a.start_s, rounds=a.rounds,
         arrival_s=a.arrival_s, queue_s=a.admit_s - a.arrival_s, first_token_s=a.first_token_s,
-        finish_s=ctx.env.now))
+        finish_s=end))

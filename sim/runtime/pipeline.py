@@ -17,10 +17,13 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any
 
+import simpy
+
 from sim.cost.quant import spec
 from sim.runtime.context import SimContext, SimRequest
 from sim.runtime.links import Link
 from sim.runtime.topology import Topology, build_topology
+from testbed.arrivals import under_load
 from testbed.links import TOKEN_BYTES, dsd_prompt_answer_bytes, dsd_verified_bytes, dsd_window_bytes
 from testbed.recorder import RequestRecord
 from testbed.schedules import spec_of
@@ -53,6 +56,10 @@ class Pipeline:
         # an eagle draft on the first node reads the verified tokens' features: the last node sends
         # them back (not in the `ar` baseline's pipeline: it has no draft)
         self.back_features = spec_of(ctx.exp).drafts and ctx.exp.pair.draft.kind == "eagle"
+        # under load, several requests share the stages: each a resource of capacity one
+        # (sim/runtime/pipelined.py); one request at a time needs none
+        self.stages: list[simpy.Resource] | None = [simpy.Resource(ctx.env, 1) for _ in self.names] \
+            if under_load(ctx.exp.workload) else None
 
     @classmethod
     def of(cls, ctx: SimContext) -> Pipeline:
@@ -90,14 +97,27 @@ class Pipeline:
         compute = 0.0
         last = len(self.names) - 1
         for i, (name, lay) in enumerate(zip(self.names, self.layers)):
-            s = env.now
             dt = fwd("target", tokens, context, lay)
-            yield env.timeout(dt)
+            s = yield from self.on_stage(i, dt)
             rec.span(name, kind, s, env.now, request_id=request_id, round_idx=round_idx)
             compute += dt
             if i < last:
                 yield from self.hops[i].send(nbytes, request_id, round_idx)
         return compute
+
+    def on_stage(self, i: int, dt: float) -> Generator[Any, Any, float]:
+        """Hold stage ``i``'s devices for ``dt`` seconds (waiting for them under load); returns
+        when the work started. The first node's draft runs here with ``i = 0``."""
+        env = self.ctx.env
+        if self.stages is None:
+            s = env.now
+            yield env.timeout(dt)
+            return s
+        with self.stages[i].request() as hold:
+            yield hold
+            s = env.now
+            yield env.timeout(dt)
+        return s
 
     def send_back(self, ntokens: int, request_id: int, round_idx: int) -> Generator[Any, Any, None]:
         """The last node returns `ntokens` token ids to the first (with their features for an

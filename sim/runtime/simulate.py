@@ -75,10 +75,15 @@ def simulate(exp: ExperimentConfig, requests: list[SimRequest], *, seed: int,
 
     if under_load(exp.workload) if batched is None else batched:
         from sim.runtime.batching import serve
+        from sim.runtime.pipelined import serve_pipelined
         from testbed.admission import refuse_oversized
 
         refuse_oversized(exp, requests)
-        env.process(serve(ctx, requests, arrivals=arrival_times(exp, len(requests))))
+        arrivals = arrival_times(exp, len(requests))
+        if exp.placement.nodes > 1:  # a pipeline: requests in flight through its stages
+            env.process(serve_pipelined(ctx, requests, schedule, arrivals=arrivals))
+        else:
+            env.process(serve(ctx, requests, arrivals=arrivals))
     else:
         env.process(serve_all())
     env.run()

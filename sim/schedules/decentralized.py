@@ -114,13 +114,12 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
     t_start = env.now
     pf_draft = cost.prefill("draft", req.prompt_len)  # the draft shares node 0's GPUs
     if not pipe.back_features:
-        yield env.timeout(pf_draft)
-        rec.span("draft", "prefill", t_start, env.now, request_id=rid)
+        s_draft = yield from pipe.on_stage(0, pf_draft)
+        rec.span("draft", "prefill", s_draft, env.now, request_id=rid)
     yield from pipe.forward(req.prompt_len, 0, rid, -1, kind="prefill")
     if pipe.back_features:  # an eagle head's prefill reads the prompt's features
         yield from pipe.send_prompt_answer(req.prompt_len - 1, rid)
-        s_draft = env.now
-        yield env.timeout(pf_draft)
+        s_draft = yield from pipe.on_stage(0, pf_draft)
         rec.span("draft", "prefill", s_draft, env.now, request_id=rid)
     prefill_s = env.now - t_start
     start = env.now
@@ -128,7 +127,6 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
     pending = 1  # tokens the draft must feed before its first guess (see sync.py)
     generated, r = 0, 0
     out: list[int] = []
-    timeout = env.timeout
     n_max = req.max_new_tokens
     # a sampled model draft's q travels with the window (real/schedules/decentralized.py)
     sends_q = exp.sampling.temperature > 0 and exp.pair.draft.kind in ("transformer", "eagle")
@@ -136,8 +134,8 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
         gamma = policy.next_gamma()
         t_round = env.now
         draft_s = cost.draft_chain(pending, gamma, seq_len)
-        yield timeout(draft_s)
-        rec.span("draft", "draft", t_round, env.now, request_id=rid, round_idx=r)
+        s_draft = yield from pipe.on_stage(0, draft_s)  # the draft shares node 0's devices
+        rec.span("draft", "draft", s_draft, env.now, request_id=rid, round_idx=r)
         q_bytes = draft_dists_bytes(gamma, vocab=exp.pair.target.vocab, topk=s.draft_topk) if sends_q else 0
         target_s = yield from pipe.forward(gamma + 1, seq_len - 1, rid, r, kind="verify", dists_bytes=q_bytes)
         if s.adaptive and isinstance(seq, SyntheticSequence):  # a trace replays the rule's outcomes

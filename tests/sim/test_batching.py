@@ -23,6 +23,7 @@ LOAD_COLUMNS = ["arrival_s", "queue_s", "first_token_s", "finish_s"]
     ("schedule=ar",), ("schedule=sync",), ("schedule=sync", "lookahead=heuristic"),
     ("schedule=sync", "acceptance=synthetic", "sampling.temperature=1"),
     ("schedule=sync", "schedule.tree=true"), ("schedule=sync", "schedule.tree=true", "acceptance=synthetic"),
+    ("schedule=async",), ("schedule=async", "acceptance=synthetic", "sampling.temperature=1"),
 ])
 def test_one_closed_loop_client_reproduces_one_request_at_a_time_exactly(overrides: tuple[str, ...]) -> None:
     exp = compose_exp(*overrides, *SMALL)
@@ -75,7 +76,7 @@ def test_outputs_under_batching_equal_each_requests_ar_output() -> None:
     # temperature 0, an oracle with token ids: batched sync and batched ar give every request
     # the output it gets served alone
     alone = {r.request_id: list(r.output_ids) for r in served("schedule=ar", "acceptance=synthetic")[1].itertuples()}
-    for schedule in ("schedule=ar", "schedule=sync", "schedule.tree=true"):
+    for schedule in ("schedule=ar", "schedule=sync", "schedule.tree=true", "schedule=async"):
         _, q, _ = served(schedule, "acceptance=synthetic", "workload.concurrency=3")
         assert {r.request_id: list(r.output_ids) for r in q.itertuples()} == alone
 
@@ -138,7 +139,9 @@ def test_a_request_larger_than_the_kv_budget_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("overrides", "says"), [
-    (("schedule=async", "workload.concurrency=2"), "only they serve batched rounds"),
+    (("backend=real", "schedule=decentralized", "placement.nodes=2", "workload.concurrency=2"),
+     "a pipeline over nodes serves one request at a time there"),
+    (("backend=real", "schedule=async", "workload.concurrency=2"), "async serves batched rounds in the simulator only"),
     (("backend=real", "workload.concurrency=2", "placement.target_gpus=2"), "the batched rounds run in one process"),
     (("serving.max_batch=4",), "has no effect"),
     (("workload.concurrency=2", "workload.rate=3"), "workload.arrival=poisson"),
@@ -156,3 +159,46 @@ def test_the_summary_file_holds_the_load_metrics(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["mean_batch"] > 1 and summary["throughput_tok_s"] > 0
     assert set(pd.read_parquet(tmp_path / "timeline.parquet").columns) >= {"batch"}
+
+
+PIPELINE = ("schedule=decentralized", "hardware=a800_nodes", "network=wan", "pair=llama3_8b+llama3_2_1b",
+            "placement.nodes=4", "acceptance=synthetic", "workload.num_prompts=6", "workload.max_new_tokens=40")
+
+
+@pytest.mark.parametrize("schedule", ["schedule=decentralized", "schedule=ar"])
+def test_one_client_of_a_pipeline_reproduces_one_request_at_a_time_exactly(schedule: str) -> None:
+    exp = compose_exp(*PIPELINE, schedule)
+    requests = make_requests(exp)
+    frames = [simulate(exp, requests, seed=exp.seed, batched=b).frames() for b in (False, True)]
+    pd.testing.assert_frame_equal(frames[0][0], frames[1][0])
+    pd.testing.assert_frame_equal(frames[0][1].drop(columns=LOAD_COLUMNS), frames[1][1].drop(columns=LOAD_COLUMNS))
+
+
+def test_a_pipeline_serves_requests_in_flight_at_once_and_keeps_each_stage_to_one() -> None:
+    one = build_summary(exp1 := compose_exp(*PIPELINE, "workload.arrival=poisson", "workload.rate=0.001"), run(exp1))
+    exp = compose_exp(*PIPELINE, "workload.concurrency=4")
+    result = run(exp)
+    four = build_summary(exp, result)
+    _, q, tl = result.recorder.frames()
+    # the links' 2 x 4 x 20 ms per round leave the stages idle: four requests in flight use them
+    assert four["throughput_tok_s"] > 2.5 * one["throughput_tok_s"]
+    alone = {r.request_id: list(r.output_ids) for r in run(compose_exp(*PIPELINE)).recorder.frames()[1].itertuples()}
+    assert {r.request_id: list(r.output_ids) for r in q.itertuples()} == alone
+    assert (q["first_token_s"] > q["arrival_s"]).all() and (q["finish_s"] >= q["first_token_s"]).all()
+    for stage in ("stage0", "stage1", "stage2", "stage3"):  # a stage's forwards never overlap
+        spans = tl[tl["resource"] == stage].sort_values("start_s")
+        assert (spans["start_s"].to_numpy()[1:] >= spans["end_s"].to_numpy()[:-1] - 1e-12).all()
+    on_node0 = tl[tl["resource"].isin(["stage0", "draft"])].sort_values("start_s")  # the draft shares node 0
+    assert (on_node0["start_s"].to_numpy()[1:] >= on_node0["end_s"].to_numpy()[:-1] - 1e-12).all()
+    assert four["load_speedup"] == pytest.approx(four["throughput_tok_s"] / four["ar_throughput_tok_s"])
+
+
+def test_async_under_load_batches_both_groups() -> None:
+    s, q, tl = served("schedule=async", "workload.concurrency=3")
+    verify = tl[(tl["resource"] == "target") & (tl["kind"] == "verify")]
+    expand = tl[(tl["resource"] == "draft") & (tl["kind"] == "expand")]
+    assert verify["batch"].max() == 3 and expand["batch"].max() == 3
+    # the draft group expands while the target group verifies
+    overlap = [((expand["start_s"] < v.end_s) & (expand["end_s"] > v.start_s)).any() for v in verify.itertuples()]
+    assert sum(overlap) > len(verify) / 2
+    assert (q["generated"] == 48).all() and s["mean_batch"] > 2
