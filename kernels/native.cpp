@@ -32,7 +32,11 @@
 // chains in flight, 8 x 8 vector transposes and V loaded once for 4 rows it takes ~11%, with the
 // same results bit for bit. Widening each bf16 chunk once for all blocks (into an fp32 copy in
 // L1) instead of once per block measured no gain (0.86-1.05x on the layers' GEMMs at 8-64 rows,
-// benchmarks/bench_gemm_rows.py): the widening is not what holds bf16 back there.
+// benchmarks/bench_gemm_rows.py): the widening is not what holds bf16 back there. With several
+// token blocks, each block's walk of a chunk prefetches its own share of the next chunk, so the
+// memory stream runs through every walk instead of in bursts during the first block's (paired
+// against prefetching ahead of the loads in every walk: 0.90-0.97x the time at 7-8 rows, the
+// same from 12 rows on; docs/kernels.md).
 //
 // ISAs (compile time, -march=native): AVX-512F (16 lanes, MR <= 12), AVX-512 BF16 for bf16
 // weights, AVX2 + FMA (8 lanes, MR <= 6), or a portable vector-extension path (8 lanes, MR <= 6).
@@ -132,6 +136,10 @@ constexpr long kPrefetch = SB_PREFETCH;  // bytes of panel prefetched ahead of t
 #define SB_PREFETCH_FAR 0
 #endif
 constexpr long kPrefetchFar = SB_PREFETCH_FAR;  // and into L2 this far ahead (0: not)
+#ifndef SB_PF_CHUNKS
+#define SB_PF_CHUNKS 1
+#endif
+constexpr long kPfChunks = SB_PF_CHUNKS;  // chunks ahead that several token blocks prefetch
 constexpr long kMaxTokens = 64; // rows per sb_layers call (attention scratch grows with T^2)
 
 // Scratch buffers: 64-byte aligned and kept across calls, per thread and use (the x loads of a
@@ -288,7 +296,8 @@ inline void load_step(const uint16_t* wk, vf& w0, vf& w1) { vwiden(wk, w0, w1); 
 // sequential_sum). Split accumulators would give small tiles more FMA chains (a 2-row tile:
 // ~45% -> ~60% of the peak in L2) at the price of that invariance.
 template <int MR, typename W>
-inline void tile_steps(const W* panel, const float* xp, long k0, long k1, float* acc, bool first) {
+inline void tile_steps(const W* panel, const float* xp, long k0, long k1, float* acc, bool first,
+                       const char* pf, long pf_step) {
     vf c[MR][2];
     for (int m = 0; m < MR; ++m) {
         c[m][0] = first ? vzero() : vload(acc + m * NR);
@@ -296,7 +305,7 @@ inline void tile_steps(const W* panel, const float* xp, long k0, long k1, float*
     }
     for (long k = k0; k < k1; ++k) {
         const W* wk = panel + k * NR;
-        _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);
+        _mm_prefetch(pf + (k - k0) * pf_step, _MM_HINT_T0);
         vf w0, w1;
         load_step(wk, w0, w1);
         SB_IN_REGISTER(w0);
@@ -345,17 +354,18 @@ inline void tile_pairs(const uint16_t* panel, const float* xp_, long k0, long k1
 #endif
 
 template <typename W>
-inline void tile(int mr, const W* panel, const float* xp, long k0, long k1, float* acc, bool first) {
+inline void tile(int mr, const W* panel, const float* xp, long k0, long k1, float* acc, bool first,
+                 const char* pf, long pf_step) {
 #if defined(SB_BF16DOT)
 #define SB_TILE(M)                                                                                   \
     case M:                                                                                          \
         if constexpr (sizeof(W) == 2) tile_pairs<M>(reinterpret_cast<const uint16_t*>(panel), xp, k0, k1, acc, first); \
-        else tile_steps<M, W>(panel, xp, k0, k1, acc, first);                                        \
+        else tile_steps<M, W>(panel, xp, k0, k1, acc, first, pf, pf_step);                           \
         break;
 #else
 #define SB_TILE(M)                                          \
     case M:                                                 \
-        tile_steps<M, W>(panel, xp, k0, k1, acc, first);    \
+        tile_steps<M, W>(panel, xp, k0, k1, acc, first, pf, pf_step); \
         break;
 #endif
     switch (mr) {
@@ -453,8 +463,17 @@ void gemm(const A* x, long xs, long T, const W* wpk, long N, long K, Epilogue ep
             const W* panel = wpk + p * NR * kp;
             for (long k0 = 0; k0 < kp; k0 += chunk) {
                 const long k1 = std::min(kp, k0 + chunk);
-                for (int i = 0; i < b.n; ++i)
-                    tile<W>(b.size[i], panel, xp + b.start[i] * kp, k0, k1, acc + b.start[i] * NR, k0 == 0);
+                const char* here = reinterpret_cast<const char*>(panel + k0 * NR);
+                constexpr long step_bytes = NR * static_cast<long>(sizeof(W));
+                for (int i = 0; i < b.n; ++i) {
+                    // one block: prefetch kPrefetch ahead of its own loads. Several: each block's
+                    // walk requests its share of the chunk kPfChunks ahead, so the memory stream
+                    // runs through every block's walk, not in bursts during the first one's
+                    const char* pf = b.n == 1 ? here + kPrefetch
+                                              : here + kPfChunks * chunk * step_bytes + i * chunk * step_bytes / b.n;
+                    const long pf_step = b.n == 1 ? step_bytes : std::max(1l, step_bytes / b.n);
+                    tile<W>(b.size[i], panel, xp + b.start[i] * kp, k0, k1, acc + b.start[i] * NR, k0 == 0, pf, pf_step);
+                }
             }
             const long n0 = p * per, nn = std::min(per, cols - n0);
             for (long m = 0; m < tn; ++m) {
