@@ -18,6 +18,7 @@ schedule then serves the active requests in batched rounds (continuous batching)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,10 +52,19 @@ def poisson_times(n: int, rate: float, seed: int) -> list[float]:
 
 
 def read_trace(path: str | Path) -> list[TraceRow]:
-    """The rows of a trace file, checked: one ``TraceError`` naming the first bad row."""
+    """The rows of a trace file, checked: one ``TraceError`` naming the first bad row. Read once
+    per file version (validation, the requests and the arrivals all ask for it)."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise TraceError(f"{p}: no such trace file (workload.trace_path: a CSV or parquet file)")
+    st = p.stat()
+    return list(_read_trace(str(p.resolve()), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_trace(path: str, _mtime_ns: int, _size: int) -> tuple[TraceRow, ...]:
+    """read_trace's work, cached by the file's path, modification time and size."""
+    p = Path(path)
     try:
         df = pd.read_parquet(p) if p.suffix == ".parquet" else pd.read_csv(p)
     except Exception as e:  # pandas and pyarrow raise many kinds for a damaged file
@@ -80,7 +90,7 @@ def read_trace(path: str | Path) -> list[TraceRow]:
                 raise TraceError(f"{where}: {name} must be a whole number >= 1")
         rows.append(TraceRow(t, int(n_in), int(n_out)))
         last = t
-    return rows
+    return tuple(rows)
 
 
 def arrival_times(exp, n: int) -> list[float] | None:  # type: ignore[no-untyped-def]  # ExperimentConfig

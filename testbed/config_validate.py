@@ -141,19 +141,16 @@ REAL_MAX_BATCH = 64  # KV-cache rows a real run allocates at most (real/model/ba
 
 def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type: ignore[no-untyped-def]
     """What real/runtime/batching.py serves: `ar`, the chain of `sync` (a draft model, early exit
-    or prompt lookup) and the serial tree (a draft model), in one process."""
+    or prompt lookup) and the serial tree (a draft model), in one process; and
+    real/runtime/batching_async.py: `async` with a draft model, one device per group."""
     kind = exp.pair.draft.kind
     if exp.placement.nodes > 1:
         raise ConfigError("placement.nodes", exp.placement.nodes, f"1 under load ({load}) on backend=real: "
                           "a pipeline over nodes serves one request at a time there (backend=sim serves "
                           "several in flight)")
-    if spec.concurrent:
-        raise ConfigError("schedule", spec.name, f"sync, sync schedule.tree=true or ar under load ({load}) on "
-                          "backend=real: async serves batched rounds in the simulator only so far "
-                          "(backend=sim), or one request at a time (workload.concurrency=1)")
     if (spec.tree or exp.schedule.tree) and kind != "transformer":
-        raise ConfigError("pair.draft.kind", kind, f"transformer under load ({load}) with schedule.tree=true on "
-                          "backend=real: the batched tree grows on a draft model's own KV-cache rows")
+        raise ConfigError("pair.draft.kind", kind, f"transformer under load ({load}) with {spec.name}'s token "
+                          "trees on backend=real: the batched trees grow on a draft model's own KV-cache rows")
     if spec.drafts and kind == "eagle":
         raise ConfigError("pair.draft.kind", kind, f"transformer, early_exit or ngram under load ({load}) on "
                           "backend=real: the batched rounds do not hand the target's features to a head")
@@ -171,7 +168,7 @@ def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type
     if pl.target_gpus > 1 or (spec.drafts and pl.draft_gpus > 1):
         raise ConfigError("placement.target_gpus" if pl.target_gpus > 1 else "placement.draft_gpus",
                           max(pl.target_gpus, pl.draft_gpus), f"1 under load ({load}) on backend=real: "
-                          "the batched rounds run in one process (no tensor parallelism)")
+                          "the batched rounds run one process per group (no tensor parallelism)")
 
 
 def validate(exp: ExperimentConfig) -> ExperimentConfig:

@@ -3,7 +3,7 @@ serial-tree grid): Hydra's basic sweeper takes one Cartesian product of ``params
 also runs the product of every extra grid in ``grids``, each ``params`` with some keys replaced
 or added. Command-line sweep arguments apply to every grid (and win over its values, as they do
 over ``params``). The last key of ``params`` stays the last axis of every grid (validate's roles
-must run back to back). ``only``: the names of the grids to run (``params`` is "base"), e.g.
+must run back to back), with a grid's own values where it sets that key too. ``only``: the names of the grids to run (``params`` is "base"), e.g.
 ``hydra.sweeper.only=[tree]``; a grid set to null is left out.
 
 It is every sweep's sweeper (conf/config.yaml), also for one grid, for its check of the jobs
@@ -88,7 +88,10 @@ class GridsSweeper(BasicSweeper):
         for name, extra in chosen:
             if self.only is not None and name not in self.only:
                 continue
-            ordered = base[:-1] + extra + last + cli if last else extra + cli
+            # the last axis stays last; a grid that sets that key too puts its own values there
+            own = [o for o in extra if last and o.get_key_element() == last[0].get_key_element()]
+            rest = [o for o in extra if o not in own]
+            ordered = base[:-1] + rest + (own or last) + cli if last else extra + cli
             for job in BasicSweeper.split_arguments(ordered, None)[0]:
                 if tuple(job) not in seen:
                     seen.add(tuple(job))

@@ -190,8 +190,9 @@ def missing_draft_weights(pairs: list[str]) -> list[str]:
 
 
 class EnsureProfile(Callback):
-    """``hardware``: measure only for sweeps on this hardware (`+sweep=gpu_split` predicts
-    published nodes from the roofline and this machine from the profile); ``backend``: only for
+    """``hardware``: measure only for sweeps with a job on this hardware (`+sweep=gpu_split`
+    predicts published nodes from the roofline and this machine from the profile; `+sweep=load`'s
+    `local` grid runs on it under a base config on published nodes); ``backend``: only for
     sweeps on this backend (`+sweep=wan`: real only)."""
 
     def __init__(self, force: bool = False, backend: str | None = None, hardware: str | None = None) -> None:
@@ -204,21 +205,21 @@ class EnsureProfile(Callback):
             return
 
         from real.calibrate.profile import calibrate, profile_path
+        from testbed.app.sweeps import checked_jobs
 
-        if self.hardware is not None and config.hardware.name != self.hardware:
+        base = to_experiment(config)
+        jobs = checked_jobs(config) or [base]
+        hardware = self.hardware or base.hardware.name
+        if self.hardware is not None and not any(j.hardware.name == hardware for j in jobs):
             return
         missing = missing_draft_weights(swept_pairs(config))
         if missing:  # fail before minutes of calibration, not in the middle of the sweep
             print("error: " + "; ".join(missing) + " — train/copy them, or choose the pairs "
                   "with pair=A,B on the command line", file=sys.stderr)
             raise SystemExit(2)
-        from testbed.app.sweeps import checked_jobs
-
-        base = to_experiment(config)
-        jobs = checked_jobs(config) or [base]
-        needs = profile_needs(jobs, base.hardware.name)
+        needs = profile_needs(jobs, hardware)
         # measured for a job that reads it (the base config's pair may be no job's: gpu_split)
-        exp = copy.deepcopy(next((j for j in jobs if reads_profile(j, base.hardware.name)), base))
+        exp = copy.deepcopy(next((j for j in jobs if reads_profile(j, hardware)), base))
         exp.backend, exp.calibrate = "real", False
         path = profile_path(exp)
         ok, why = profile_is_current(path, exp, needs)

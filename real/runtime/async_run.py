@@ -39,12 +39,14 @@ from real.model.eagle import EagleDraft
 from real.model.eagle_tree import EagleTreeTokens
 from real.model.runners import TargetRunner
 from real.model.tree_tokens import LocalModel
+from real.runtime.batching import serve_batched
 from real.runtime.context import RealContext, RealRequest
 from real.runtime.layouts import RUNNERS, Runner
 from real.runtime.links import Kind, Message
 from real.runtime.telemetry import Telemetry, run_files
 from real.schedules import TwoGroups, get_schedule
 from real.schedules.async_tree import Peer, Side
+from testbed.arrivals import under_load
 from testbed.config import ExperimentConfig, real_dtype
 from testbed.placement import Placement
 from testbed.recorder import RunRecorder, RunResult
@@ -192,7 +194,9 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
                     ctx.now, exp.seed, draft_source=source, probe=probe, start_features=start,
                     reply_features=role == "target" and exp.pair.draft.kind == "eagle")
         served = AsyncServed(role, [])
-        if role == "target":
+        if under_load(exp.workload):  # many requests in flight: real/runtime/batching_async.py
+            _serve_under_load(ctx, halves, side, served, requests=requests, eos=eos, params=params)
+        elif role == "target":
             # an eagle head's target keeps its hidden states in every forward of the run, the
             # probes' too (such forwards run eagerly: a CUDA graph replays logits only)
             model.keep_hidden = side.reply_features
@@ -221,6 +225,44 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
     if not ctx.is_leader:
         ctx.rec = RunRecorder()
     return served
+
+
+def _serve_under_load(ctx, halves: TwoGroups, side: Side, served: AsyncServed, *,  # type: ignore[no-untyped-def]
+                      requests: list[RealRequest], eos: frozenset[int], params: SamplingParams) -> None:
+    """Both groups under load: d's probe and one drift probe each (the requests overlap), the
+    batched rounds, then the target's `ar` at the same load while the draft waits."""
+    from real.runtime import batching_async
+    from real.runtime.engine import cache_slots
+    from testbed.admission import refuse_oversized
+
+    refuse_oversized(ctx.exp, requests)  # both groups, before either waits on the other
+
+    exp, role, s = ctx.exp, ctx.role, ctx.exp.schedule
+    if role == "target":
+        telemetry = Telemetry(exp.real.device)
+        with telemetry if ctx.is_leader else contextlib.nullcontext():
+            halves.probe_target(side, exp, requests[0])
+            halves.before_request(side, role, requests[0])
+            served.outputs = batching_async.target_server(side, exp, requests, eos,
+                                                          slots=cache_slots(exp, requests)[0])
+        if ctx.is_leader:
+            served.telemetry, served.telemetry_summary = telemetry.frame(), telemetry.summary()
+        if exp.real.baseline:
+            t0 = time.perf_counter()
+            base = RealContext(exp, TargetRunner(side.model, params), None, RunRecorder(), eos, params,
+                               batching_async.heartbeat(side.peer, lambda: time.perf_counter() - t0), t0)
+            serve_batched(base, requests, max_seq=cache_slots(exp, requests)[0])
+            side.peer.send(Message(Kind.DATA, round=batching_async.BASELINE_DONE))
+            served.baseline = base.rec
+        return
+    depth, t_target, t_draft = halves.probe_draft(side, exp, requests[0])
+    halves.before_request(side, role, requests[0])
+    batching_async.draft_server(side, exp, requests, depth)
+    if exp.real.baseline:
+        batching_async.wait_for_baseline(side.peer)
+    served.extra = {**depth.summary_fields(), "t_target_ms": 1e3 * t_target, "t_draft_ms": 1e3 * t_draft,
+                    "tree_width": s.tree_width, "tree_budget": s.tree_budget, "tree_kv_reuse": side.kv.reuse,
+                    "draft_rows": side.rows.rows}
 
 
 def _baseline(exp: ExperimentConfig, model, *, params: SamplingParams, requests, eos,  # type: ignore[no-untyped-def]

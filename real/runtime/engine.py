@@ -86,6 +86,9 @@ def serve(exp: ExperimentConfig, schedule: str, target: Transformer, draft: Draf
                           time.perf_counter())
         if under_load(exp.workload):  # continuous batching (real/runtime/batching.py)
             from real.runtime.batching import serve_batched
+            from testbed.admission import refuse_oversized
+
+            refuse_oversized(exp, requests)  # (else it would wait for room forever)
 
             if probe is not None:  # the machine as the run finds it, once: the requests overlap
                 probe.take(0)

@@ -31,7 +31,7 @@ forward a timeline span with the batch size (timeline.parquet's ``batch``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,17 +85,7 @@ def serve(ctx: SimContext, requests: list[SimRequest], *, arrivals: list[float] 
         if wake[0] is not None and not wake[0].triggered:
             wake[0].succeed()
 
-    unsent = deque(requests)
-    if arrivals is None:  # closed loop: each client sends its next prompt when its last is done
-        for _ in range(min(exp.workload.concurrency, len(unsent))):
-            arrive(unsent.popleft())
-    else:
-        def timed() -> Generator[Any, Any, None]:
-            for req, t in zip(requests, arrivals):
-                if t > env.now:
-                    yield env.timeout(t - env.now)
-                arrive(req)
-        env.process(timed())
+    unsent = send_requests(ctx, requests, arrivals, arrive)
     running: list[Active] = []
     finished, r = 0, 0
     while finished < len(requests):
@@ -139,6 +129,26 @@ def serve(ctx: SimContext, requests: list[SimRequest], *, arrivals: list[float] 
             _record(ctx, a)
             if arrivals is None and unsent:
                 arrive(unsent.popleft())
+
+
+def send_requests(ctx: SimContext, requests: list[SimRequest], arrivals: list[float] | None,
+                  arrive: Callable[[SimRequest], None]) -> deque[SimRequest]:
+    """Start the arrivals: a closed loop's first ``workload.concurrency`` requests now, the
+    returned queue holding the rest (the server sends the next when one is done); or a process
+    that sends each request at its arrival time (an empty queue)."""
+    env = ctx.env
+    if arrivals is not None:
+        def timed() -> Generator[Any, Any, None]:
+            for req, t in zip(requests, arrivals):
+                if t > env.now:
+                    yield env.timeout(t - env.now)
+                arrive(req)
+        env.process(timed())
+        return deque()
+    unsent = deque(requests)
+    for _ in range(min(ctx.exp.workload.concurrency, len(unsent))):
+        arrive(unsent.popleft())
+    return unsent
 
 
 def _prefill(ctx: SimContext, admitted: list[Active], *, drafts: bool) -> Generator[Any, Any, None]:

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Generator
 from typing import Any
 
+from sim.runtime.batching import send_requests
 from sim.runtime.context import SimContext, SimRequest
 from testbed.admission import Admission
 
@@ -34,7 +35,7 @@ def serve_pipelined(ctx: SimContext, requests: list[SimRequest], schedule: Calla
     queue = Admission(ctx.exp)
     state = {"in_flight": 0, "finished": 0}
     all_done = env.event()
-    unsent = deque(requests)
+    unsent: deque[SimRequest] = deque()  # a closed loop's requests not sent yet
 
     def start_admitted() -> None:
         for req, t in queue.admit(state["in_flight"]):
@@ -58,16 +59,7 @@ def serve_pipelined(ctx: SimContext, requests: list[SimRequest], schedule: Calla
         if state["finished"] == len(requests):
             all_done.succeed()
 
-    if arrivals is None:  # a closed loop: each client sends its next prompt when its last is done
-        for _ in range(min(ctx.exp.workload.concurrency, len(unsent))):
-            arrive(unsent.popleft())
-    else:
-        def timed() -> Generator[Any, Any, None]:
-            for req, t in zip(requests, arrivals):
-                if t > env.now:
-                    yield env.timeout(t - env.now)
-                arrive(req)
-        env.process(timed())
+    unsent.extend(send_requests(ctx, requests, arrivals, arrive))
     if requests:
         yield all_done
 

@@ -36,6 +36,7 @@ from tests.helpers.processes import live_workers
 from tests.helpers.real_models import TINY, tiny
 from tests.helpers.tiny_checkpoint import write_tiny_checkpoint
 from tests.helpers.tree_fakes import Replay, forced_path
+from tests.helpers.two_sides import run_both
 
 two_cores = pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2,
                                reason="needs two cores (one worker per core)")
@@ -79,28 +80,13 @@ def _eagle_run(target: Transformer, head: EagleHead, requests: list[RealRequest]
     draft_side = Side(None, None, params, Peer(ends[1], ends[1], lambda m: m), RunRecorder(keep_spans=False),
                       time.perf_counter, 0, draft_source=source, start_features=start)
     drafters: list[TreeDrafter] = []
-    errors: list[BaseException] = []
 
-    def drafting() -> None:
-        try:
-            with torch.inference_mode():
-                for req in requests:
-                    drafters.append(draft_worker(draft_side, req, depth, width=width, budget=budget))
-        except BaseException as e:  # noqa: BLE001 — reported by the test
-            errors.append(e)
-
-    thread = threading.Thread(target=drafting)
-    thread.start()
-    try:
-        with torch.inference_mode():
-            for req in requests:
-                target_worker(target_side, req, frozenset())
-    finally:
-        thread.join(60)
-        for end in ends.values():
-            end.close()
+    def reset() -> None:
         target.keep_hidden = False
-    assert not errors, errors
+
+    run_both(lambda: [target_worker(target_side, req, frozenset()) for req in requests],
+             lambda: drafters.extend(draft_worker(draft_side, req, depth, width=width, budget=budget)
+                                     for req in requests), ends.values(), after=reset)
     return EagleRun(rec, to_draft.sent, drafters, draft)
 
 

@@ -223,3 +223,10 @@ def test_the_serial_tree_under_batching_answers_as_served_alone(temperature: flo
     assert _by_request(ctx) == alone
     rounds, _, timeline = ctx.rec.frames()[:3]
     assert timeline["batch"].max() == 3 and (rounds.verified_tokens <= 5).all() and rounds.accepted.sum() > 0
+
+
+def test_a_request_larger_than_the_kv_budget_is_refused_before_it_waits_forever(tmp_path: Path) -> None:
+    p = run_cli("backend=real", "workload.concurrency=2", "workload.num_prompts=2", "workload.max_new_tokens=8",
+                "serving.kv_budget_tokens=20", f"hydra.run.dir={tmp_path / 'run'}")
+    assert p.returncode == 2 and "needs its prompt" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "run" / "summary.json").exists()

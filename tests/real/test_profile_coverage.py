@@ -190,3 +190,24 @@ def test_a_profile_short_of_the_jobs_is_measured_for_them_first(tmp_path: Path, 
     assert e.value.code == 2 and len(measured) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error:") and "TP 2" in err
+
+
+@pytest.mark.parametrize("grids", ["[local]", "[base]"])
+def test_a_sweep_with_a_local_grid_under_a_published_base_measures_the_profile(
+        tmp_path: Path, monkeypatch, grids: str) -> None:  # type: ignore[no-untyped-def]
+    """+sweep=load's base config runs on published nodes; its `local` grid runs on this machine
+    and reads the latency profile, which is measured first when missing (not for other grids)."""
+    import real.calibrate.profile
+
+    prof = tmp_path / "local.json"
+    measured = []
+
+    def fake_calibrate(e, run_dir, **kw):  # type: ignore[no-untyped-def]
+        measured.append((e.hardware.name, e.pair.name))
+        prof.write_text(json.dumps(full_profile(e, tp=False, cores=1)))
+        return prof
+
+    monkeypatch.setattr(real.calibrate.profile, "calibrate", fake_calibrate)
+    _start_sweep(["+sweep=load", f"hydra.sweeper.only={grids}", f"sim.profile_path={prof}",
+                  f"hydra.sweep.dir={tmp_path / 's'}"])
+    assert measured == ([("local", "smollm2_135m+smollm2_draft")] if grids == "[local]" else [])

@@ -25,6 +25,12 @@ def test_every_grid_runs_its_product_with_the_last_axis_last() -> None:
                        ["a=7", "b=4", "role=x"], ["a=7", "b=4", "role=y"]]
 
 
+def test_a_grid_sets_the_last_axis_with_its_own_values() -> None:
+    s = GridsSweeper(params={"a": "1", "rate": "1,2"}, grids={"slow": {"a": "3", "rate": "0.5,0.25"}})
+    assert jobs(s)[2:] == [["a=3", "rate=0.5"], ["a=3", "rate=0.25"]]
+    assert jobs(s, "rate=9")[-1] == ["a=3", "rate=9"]  # the command line still wins
+
+
 def test_command_line_applies_to_every_grid_and_only_selects() -> None:
     s = GridsSweeper(params={"a": "1,2", "role": "x"}, grids={"wide": {"a": "7", "b": "3"}}, only=["wide"])
     assert jobs(s, "c=5") == [["a=7", "b=3", "role=x", "c=5"]]
