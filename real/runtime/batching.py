@@ -154,6 +154,8 @@ def _admit(ctx: RealContext, req: RealRequest, *, arrived: float, admitted: floa
     if ctx.draft is not None:
         a.policy = lookahead_for(ctx.exp)
         a.draft = _request_draft(ctx.draft)
+        # as real/schedules/sync.py: the trace runs record what per-token policies replay
+        a.draft.record_features = a.policy.needs_features or ctx.exp.workload.split in ("calibrate", "trace")
         if isinstance(a.draft, EarlyExitDraft):  # the target's prefill filled its layers' slots
             a.draft.cached = len(ids) - 1
         if draft_rows is not None:

@@ -41,6 +41,7 @@ from pathlib import Path
 import pandas as pd
 
 from sim.oracle.base import ORACLES, ChainOutcome, SequenceOracle, TokenOracle
+from testbed.arrivals import under_load
 from testbed.config import ConfigError, ExperimentConfig
 from testbed.results import run_split
 from testbed.schedules import describe, names_where, schedule_impl, spec, spec_of, tree_variant
@@ -162,7 +163,7 @@ def select_trace_runs(path: Path, exp: ExperimentConfig) -> list[tuple[Path, dic
     # a per-token policy replays the features of a static run (it drafted every position),
     # whichever policy it predicts; other policies prefer a recording of themselves
     runs = [(d, s) for d, s in runs if _static_recording(s, exp)] or runs
-    for same in (_same_schedule, _same_gamma, _same_tree, _same_tp, _same_dsd):  # preferences, in order: narrow if any match
+    for same in (_same_schedule, _same_gamma, _same_tree, _same_tp, _same_dsd, _same_load):  # preferences, in order: narrow if any match
         runs = [(d, s) for d, s in runs if same(s, exp)] or runs
     return runs
 
@@ -204,6 +205,18 @@ def _same_tp(s: dict, exp: ExperimentConfig) -> bool:
     return (s.get("target_gpus"), s.get("draft_gpus")) == (exp.placement.target_gpus, exp.placement.draft_gpus)
 
 
+def _same_load(s: dict, exp: ExperimentConfig) -> bool:
+    """A run under the same load (one request at a time: none): acceptance does not depend on
+    it, but a run under load may not have recorded what a one-request prediction replays."""
+    w = exp.workload
+    if not under_load(w):
+        return s.get("arrival") is None
+    if s.get("arrival") != w.arrival:
+        return False
+    return s.get("concurrency") == w.concurrency if w.arrival == "closed" else \
+        s.get("rate") == w.rate if w.arrival == "poisson" else True
+
+
 def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
     """Every recorded request of the selected runs, in order; ConfigError when there is none.
     Per-token draft features are loaded when the lookahead policy reads them."""
@@ -230,7 +243,7 @@ def load_trace(exp: ExperimentConfig) -> list[RequestTrace]:
         gamma = int(summary.get("gamma", 0))
         draft_rows = _draft_rows(run_dir, raw)
         feature_rows = rounds["draft_features"] if "draft_features" in rounds.columns else None
-        if with_features and feature_rows is None:
+        if with_features and (feature_rows is None or not feature_rows.map(len).any()):
             raise ConfigError("acceptance.trace_path", raw, f"a trace with per-token draft features for "
                               f"lookahead={exp.lookahead.policy} ({run_dir} has none: real runs record them on "
                               f"workload.split=trace or calibrate, or with a policy that reads them); {howto(exp)}")

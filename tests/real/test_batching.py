@@ -20,6 +20,7 @@ from real.runtime.context import RealContext, RealRequest
 from real.schedules.ar import serve_ar
 from real.schedules.sync import serve_sync
 from testbed.recorder import RunRecorder
+from testbed.spec.lookahead import FEATURES
 from testbed.spec.sampling import SamplingParams
 from tests.conftest import compose_exp, run_cli
 from tests.helpers.real_models import (
@@ -230,3 +231,11 @@ def test_a_request_larger_than_the_kv_budget_is_refused_before_it_waits_forever(
                 "serving.kv_budget_tokens=20", f"hydra.run.dir={tmp_path / 'run'}")
     assert p.returncode == 2 and "needs its prompt" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_trace_runs_under_load_record_the_draft_features_per_token_policies_replay() -> None:
+    params = SamplingParams()
+    exp = compose_exp("schedule.gamma=3", "workload.concurrency=3", "workload.split=trace")
+    ctx = _batched(exp, tiny(0), ModelDraft(tiny(3, SMALL), params, "tiny"), params, _requests(4))
+    features = ctx.rec.extra_round_columns["draft_features"]
+    assert len(features) == len(ctx.rec.rounds) and all(len(f) == 3 * FEATURES for f in features)

@@ -32,10 +32,11 @@ def recorded_rounds(seed: int, gamma: int, ngram: bool = False) -> list[tuple[in
 
 
 def write_trace_run(path: Path, gamma: int, split: str = "calibrate", requests: int = 2,
-                    ngram: bool = False, temperature: float = 0.0) -> list[list[tuple[int, int, int]]]:
+                    ngram: bool = False, temperature: float = 0.0, load: tuple[str, ...] = (),
+                    empty_features: bool = False) -> list[list[tuple[int, int, int]]]:
     exp = compose_exp("backend=real", "pair=smollm2_135m+ngram3", f"schedule.gamma={gamma}",
                       f"workload.split={split}",
-                      f"workload.max_new_tokens={N_TOKENS}", f"sampling.temperature={temperature}")
+                      f"workload.max_new_tokens={N_TOKENS}", f"sampling.temperature={temperature}", *load)
     rec = RunRecorder()
     per_request = []
     for rid in range(requests):
@@ -45,6 +46,8 @@ def write_trace_run(path: Path, gamma: int, split: str = "calibrate", requests: 
             rec.round(request_id=rid, round_idx=i, start_s=t, end_s=t + 0.01, drafted=d,
                       checked=n + (n < d), accepted=n, emitted=e, verified_tokens=d + 1,
                       draft_s=0.001, target_s=0.009)
+            if empty_features:  # a column of rows without features (a run that did not record them)
+                rec.extra_round_columns.setdefault("draft_features", []).append([])
             t += 0.01
         rec.request(RequestRecord(request_id=rid, prompt_id=f"p{rid}", prompt_len=100, output_ids=[],
             generated=N_TOKENS, prefill_s=0.1, decode_s=t, rounds=len(rounds)))
@@ -94,6 +97,21 @@ def test_a_directory_of_runs_prefers_calibrate_runs_and_the_same_gamma(tmp_path:
     assert [d.name for d, _ in select_trace_runs(tmp_path, exp)] == ["c"]
     exp.schedule.gamma = 6  # no γ=6 trace: any calibrate run of the same key drives it
     assert sorted(d.name for d, _ in select_trace_runs(tmp_path, exp)) == ["b", "c"]
+
+
+def test_a_prediction_replays_runs_of_its_own_load(tmp_path: Path) -> None:
+    write_trace_run(tmp_path / "alone", gamma=4)
+    write_trace_run(tmp_path / "two", gamma=4, load=("workload.concurrency=2",))
+    exp = sim_exp(tmp_path, 4, 2, "workload=humaneval", "workload.split=holdout")
+    assert [d.name for d, _ in select_trace_runs(tmp_path, exp)] == ["alone"]
+    exp = sim_exp(tmp_path, 4, 2, "workload=humaneval", "workload.split=holdout", "workload.concurrency=2")
+    assert [d.name for d, _ in select_trace_runs(tmp_path, exp)] == ["two"]
+
+
+def test_a_per_token_policy_refuses_a_trace_whose_features_are_all_empty(tmp_path: Path) -> None:
+    write_trace_run(tmp_path / "real", gamma=4, empty_features=True)
+    with pytest.raises(ConfigError, match="per-token draft features"):
+        sim_run(sim_exp(tmp_path / "real", 4, 2, "lookahead=confidence"))
 
 
 def test_a_test_split_prediction_replays_trace_runs_never_its_own(tmp_path: Path) -> None:
