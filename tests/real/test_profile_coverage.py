@@ -208,6 +208,8 @@ def test_a_sweep_with_a_local_grid_under_a_published_base_measures_the_profile(
         return prof
 
     monkeypatch.setattr(real.calibrate.profile, "calibrate", fake_calibrate)
-    _start_sweep(["+sweep=load", f"hydra.sweeper.only={grids}", f"sim.profile_path={prof}",
+    # (the base grid reads no profile: a profile path there is refused as having no effect)
+    local = grids == "[local]"
+    _start_sweep(["+sweep=load", f"hydra.sweeper.only={grids}", *([f"sim.profile_path={prof}"] if local else []),
                   f"hydra.sweep.dir={tmp_path / 's'}"])
-    assert measured == ([("local", "smollm2_135m+smollm2_draft")] if grids == "[local]" else [])
+    assert measured == ([("local", "smollm2_135m+smollm2_draft")] if local else [])
