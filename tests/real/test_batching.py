@@ -19,6 +19,7 @@ from real.runtime.batching import serve_batched
 from real.runtime.context import RealContext, RealRequest
 from real.schedules.ar import serve_ar
 from real.schedules.sync import serve_sync
+from testbed.config import ConfigError
 from testbed.recorder import RunRecorder
 from testbed.spec.lookahead import FEATURES
 from testbed.spec.sampling import SamplingParams
@@ -226,11 +227,13 @@ def test_the_serial_tree_under_batching_answers_as_served_alone(temperature: flo
     assert timeline["batch"].max() == 3 and (rounds.verified_tokens <= 5).all() and rounds.accepted.sum() > 0
 
 
-def test_a_request_larger_than_the_kv_budget_is_refused_before_it_waits_forever(tmp_path: Path) -> None:
-    p = run_cli("backend=real", "workload.concurrency=2", "workload.num_prompts=2", "workload.max_new_tokens=8",
-                "serving.kv_budget_tokens=20", f"hydra.run.dir={tmp_path / 'run'}")
-    assert p.returncode == 2 and "needs its prompt" in p.stderr, p.stderr[-2000:]
-    assert not (tmp_path / "run" / "summary.json").exists()
+def test_a_request_larger_than_the_kv_budget_is_refused_before_it_waits_forever() -> None:
+    """(the CLI turns the ConfigError into one line and exit 2: tests/sim/test_batching.py)"""
+    from real.runtime.engine import serve
+
+    exp = compose_exp("backend=real", "schedule=ar", "workload.concurrency=2", "serving.kv_budget_tokens=20")
+    with pytest.raises(ConfigError, match="needs its prompt"):
+        serve(exp, "ar", tiny(0), None, requests=_requests(2), eos=frozenset(), progress=False)
 
 
 def test_trace_runs_under_load_record_the_draft_features_per_token_policies_replay() -> None:
