@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,34 @@ class Active:
     done: bool = False
 
 
+class WallClockArrivals:
+    """The run's requests arriving into ``queue`` on the wall clock (``now``): a closed loop's
+    first clients at once and each next one when a request is done (``done``), or each at its
+    arrival time (``poll``; ``wait_s``: how long until the next)."""
+
+    def __init__(self, exp: Any, requests: list[RealRequest], queue: Admission, now: Callable[[], float]) -> None:
+        self.queue, self.now = queue, now
+        t0 = now()
+        offsets = arrival_times(exp, len(requests))
+        self.closed = offsets is None
+        self.unsent = deque(requests)
+        self.timed = deque(t0 + t for t in offsets) if offsets is not None else deque()
+        if self.closed:
+            for _ in range(min(exp.workload.concurrency, len(self.unsent))):
+                queue.arrive(self.unsent.popleft(), t0)
+
+    def poll(self) -> None:
+        while self.timed and self.unsent and self.timed[0] <= self.now():
+            self.queue.arrive(self.unsent.popleft(), self.timed.popleft())
+
+    def wait_s(self) -> float:
+        return max(0.0, self.timed[0] - self.now()) if self.timed else 0.0
+
+    def done(self) -> None:
+        if self.closed and self.unsent:
+            self.queue.arrive(self.unsent.popleft(), self.now())
+
+
 def batch_rows(exp: Any, n_requests: int) -> int:
     """Requests that can be in flight at once: the KV-cache rows to allocate."""
     w, cap = exp.workload, exp.serving.max_batch or n_requests
@@ -98,20 +127,13 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
     draft_rows = CacheRows(draft_model, rows, draft_slots) if draft_model is not None else None
     meet = Rendezvous() if tree else None
     queue = Admission(exp)
-    t_start = ctx.now()
-    offsets = arrival_times(exp, len(requests))
-    unsent = deque(requests)
-    timed = deque(t_start + t for t in offsets) if offsets is not None else deque()
-    if offsets is None:  # closed loop: each client sends its next prompt when its last is done
-        for _ in range(min(exp.workload.concurrency, len(unsent))):
-            queue.arrive(unsent.popleft(), t_start)
+    arrivals = WallClockArrivals(exp, requests, queue, ctx.now)
     running: list[Active] = []
     finished, r = 0, 0
     while finished < len(requests):
-        while timed and unsent and timed[0] <= ctx.now():
-            queue.arrive(unsent.popleft(), timed.popleft())
+        arrivals.poll()
         if not running and not queue.waiting:
-            time.sleep(max(0.0, timed[0] - ctx.now()))  # idle until the next arrival
+            time.sleep(arrivals.wait_s())  # idle until the next arrival
             continue
         now = ctx.now()  # admitted together, then prefilled one after the other
         admitted = [_admit(ctx, req, arrived=t, admitted=now, target_rows=target_rows, draft_rows=draft_rows)
@@ -137,8 +159,7 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
                 draft_rows.release(a.draft_row)
             finished += 1
             _record(ctx, a)
-            if offsets is None and unsent:
-                queue.arrive(unsent.popleft(), ctx.now())
+            arrivals.done()
 
 
 def _admit(ctx: RealContext, req: RealRequest, *, arrived: float, admitted: float,

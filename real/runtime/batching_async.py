@@ -26,7 +26,6 @@ arrival and admission times the header carries); both record spans with the batc
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,12 +40,12 @@ from real.runtime.async_messages import (
     reply_parts,
     unpack_batch,
 )
-from real.runtime.batching import batch_rows
+from real.runtime.batching import WallClockArrivals, batch_rows
 from real.runtime.context import RealRequest, finish
 from real.runtime.links import Kind, Message
 from real.runtime.rendezvous import Rendezvous, RowModel
+from real.schedules.async_tree import DRAFT_SALT, TARGET_SALT  # the same streams as one at a time
 from testbed.admission import Admission, count_round
-from testbed.arrivals import arrival_times
 from testbed.recorder import RequestRecord
 from testbed.spec.tree_drafter import AsyncDepth, TreeDrafter
 
@@ -54,39 +53,39 @@ END = -1  # a header's round: no more rounds
 BASELINE_DONE = -2  # the target's `ar` baseline under the same load is over
 HEARTBEAT = -3  # the sender is still at work (an idle server, the baseline): no receive times out
 HEARTBEAT_S = 5.0
-TARGET_SALT, DRAFT_SALT = 0, 500_000_017  # as real/schedules/async_tree.py: the same streams
 
 
 @dataclass
-class DraftRequest:
-    """One request in flight on the draft side."""
+class InFlight:
+    """One request in flight on either side: its arrival and admission, its KV row, its tokens,
+    its place in the batch (a rendezvous's key)."""
 
     req: RealRequest
     arrival_s: float
     admit_s: float
     row: int
     ids: list[int]
+    index: int = 0
+
+
+@dataclass
+class DraftRequest(InFlight):
+    """One request in flight on the draft side."""
+
     drafter: Any = None  # testbed.spec.tree_drafter.TreeDrafter
     prefill_end: float = 0.0
-    index: int = 0  # its place in the batch (a rendezvous's key)
     round: int = 0
     done: bool = False
 
 
 @dataclass
-class TargetRequest:
+class TargetRequest(InFlight):
     """One request in flight on the target side."""
 
-    req: RealRequest
-    arrival_s: float
-    admit_s: float
-    row: int
-    ids: list[int]
     verifier: Any = None  # real.model.tree_tokens.TargetTreeTokens
     prefill_s: float = 0.0
     start_s: float = 0.0
     t_prev: float = 0.0  # its last round's end (the next round's start)
-    index: int = 0
     rounds: int = 0
     first_token_s: float = float("nan")
     out: list[int] = field(default_factory=list)
@@ -116,20 +115,13 @@ def draft_server(side: Any, exp: Any, requests: list[RealRequest], depth: AsyncD
     longest = max(r.prompt_len + r.max_new_tokens for r in requests)
     rows = CacheRows(side.model, batch_rows(exp, len(requests)), tree_cache_slots(longest))
     meet, queue = Rendezvous(), Admission(exp)
-    t_start = now()
-    offsets = arrival_times(exp, len(requests))
-    unsent = deque(requests)
-    timed = deque(t_start + t for t in offsets) if offsets is not None else deque()
-    if offsets is None:  # a closed loop: each client sends its next prompt when its last is done
-        for _ in range(min(exp.workload.concurrency, len(unsent))):
-            queue.arrive(unsent.popleft(), t_start)
+    arrivals = WallClockArrivals(exp, requests, queue, now)
     running: list[DraftRequest] = []
     finished, r, draft_s = 0, 0, 0.0
     while finished < len(requests):
-        while timed and unsent and timed[0] <= now():
-            queue.arrive(unsent.popleft(), timed.popleft())
+        arrivals.poll()
         if not running and not queue.waiting:  # idle until the next arrival; the target waits
-            time.sleep(min(HEARTBEAT_S, max(0.0, timed[0] - now())))
+            time.sleep(min(HEARTBEAT_S, arrivals.wait_s()))
             side.peer.send(Message(Kind.DATA, round=HEARTBEAT))  # (no receive of it times out)
             continue
         admit_s = now()
@@ -199,8 +191,7 @@ def draft_server(side: Any, exp: Any, requests: list[RealRequest], depth: AsyncD
             rows.release(t.row)
             queue.release(t.req)
             finished += 1
-            if offsets is None and unsent:
-                queue.arrive(unsent.popleft(), now())
+            arrivals.done()
         r += 1
     side.peer.send(Message(Kind.DATA, round=END))
 

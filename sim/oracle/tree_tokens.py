@@ -26,7 +26,9 @@ from __future__ import annotations
 import math
 import random
 from abc import abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -293,6 +295,13 @@ def tree_tokens(ctx: SimContext, req: SimRequest) -> TreeTokens:
                      "synthetic or trace")
 
 
+def batched_expansion_seconds(cost: Any, steps: Sequence[Expansion]) -> float:
+    """One tree-masked draft forward expanding ``steps`` (one per request, each over its own
+    tree) and the rest of growing each tree (leaves picked, children added)."""
+    return cost.batch_forward("draft", [(st.n_inputs, st.context_len) for st in steps], tree=True) \
+        + sum(cost.tree_expand_extra(len(st.leaves)) for st in steps)
+
+
 class TimedTreeDrafter:
     """The draft side of a tree schedule: testbed's TreeDrafter, expansions timed by the cost
     model."""
@@ -311,8 +320,7 @@ class TimedTreeDrafter:
         return self.core.tree
 
     def _seconds(self, step: Expansion) -> float:
-        cost = self.ctx.cost
-        return cost.tree_forward("draft", step.n_inputs, step.context_len) + cost.tree_expand_extra(len(step.leaves))
+        return batched_expansion_seconds(self.ctx.cost, [step])
 
     def expand(self) -> float | None:
         """Expand the w most probable leaves; returns the forward's seconds (None: nothing

@@ -35,6 +35,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+from sim.oracle.tree_tokens import batched_expansion_seconds
 from sim.runtime.batching_async import async_prefill, async_round
 from sim.runtime.context import SimContext, SimRequest
 from testbed.admission import Admission, count_round, span_request
@@ -240,8 +241,7 @@ def _tree_round(ctx: SimContext, running: list[Active], r: int) -> Generator[Any
         t = 0.0
         for j in range(max((len(g[which]) for g in grown), default=0)):
             at = [g[which][j] for g in grown if len(g[which]) > j]
-            t += cost.batch_forward("draft", [(st.n_inputs, st.context_len) for st in at], tree=True) \
-                + sum(cost.tree_expand_extra(len(st.leaves)) for st in at)
+            t += batched_expansion_seconds(cost, at)
         return t
 
     draft_s = phase(0)

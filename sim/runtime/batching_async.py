@@ -25,35 +25,17 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from typing import Any
 
-from sim.cost.quant import spec
+from sim.oracle.tree_tokens import batched_expansion_seconds
 from sim.runtime.context import SimContext
 from sim.runtime.pipeline import TOKEN_BYTES
-from sim.schedules.async_tree import bridge_links, choose_depth, reply_feature_bytes
+from sim.schedules.async_tree import bridge_links, choose_depth, prefill_both, reply_feature_bytes
 from testbed.admission import count_round, span_request
-from testbed.links import features_bytes, subtree_message_bytes
+from testbed.links import subtree_message_bytes
 
 
 def async_prefill(ctx: SimContext, a: Any) -> Generator[Any, Any, None]:
-    """One admitted request's prefill on both groups (at once; an eagle head waits for the
-    target's features of the prompt), as sim/schedules/async_tree.py."""
-    env, cost, rec, rid = ctx.env, ctx.cost, ctx.rec, a.req.request_id
-    t0 = env.now
-    pf_target, pf_draft = cost.prefill("target", a.req.prompt_len), cost.prefill("draft", a.req.prompt_len)
-    if ctx.exp.pair.draft.kind == "eagle":
-        yield env.timeout(pf_target)
-        rec.span("target", "prefill", t0, env.now, request_id=rid)
-        t = ctx.exp.pair.target
-        _, to_draft = bridge_links(ctx)
-        yield from to_draft.send(features_bytes(a.req.prompt_len - 1, hidden=t.hidden,
-                                                act_bytes=spec(t.quant).act_bytes), rid)
-        t_features = env.now
-        yield env.timeout(pf_draft)
-        rec.span("draft", "prefill", t_features, env.now, request_id=rid)
-    else:
-        yield env.timeout(max(pf_target, pf_draft))
-        rec.span("target", "prefill", t0, t0 + pf_target, request_id=rid)
-        rec.span("draft", "prefill", t0, t0 + pf_draft, request_id=rid)
-    a.prefill_s = env.now - t0
+    """One admitted request's prefill on both groups, as one request's (``prefill_both``)."""
+    a.prefill_s = yield from prefill_both(ctx, a.req)
 
 
 def _expansions(ctx: SimContext, grown: Sequence[Sequence[Any]], r: int, rid: int, n: int,
@@ -64,8 +46,7 @@ def _expansions(ctx: SimContext, grown: Sequence[Sequence[Any]], r: int, rid: in
     times = []
     for j in range(max((len(g) for g in grown), default=0)):
         at = [g[j] for g in grown if len(g) > j]
-        dt = cost.batch_forward("draft", [(st.n_inputs, st.context_len) for st in at], tree=True) \
-            + sum(cost.tree_expand_extra(len(st.leaves)) for st in at)
+        dt = batched_expansion_seconds(cost, at)
         s0 = env.now
         yield env.timeout(dt)
         ctx.rec.span("draft", "expand", s0, env.now, request_id=rid, round_idx=r, batch=len(at))

@@ -230,6 +230,30 @@ def reply_feature_bytes(exp: Any) -> int:
         if exp.pair.draft.kind == "eagle" else 0
 
 
+def prefill_both(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, float]:
+    """A request's prefill on both groups, at once; an eagle head instead reads the target's
+    features of the prompt: the target prefills, sends them (real/runtime/async_messages.py:
+    Kind.ACTIVATIONS), then the head feeds its prompt pairs. Returns the seconds."""
+    env, cost, rec, rid = ctx.env, ctx.cost, ctx.rec, req.request_id
+    t0 = env.now
+    pf_target, pf_draft = cost.prefill("target", req.prompt_len), cost.prefill("draft", req.prompt_len)
+    if ctx.exp.pair.draft.kind == "eagle":
+        yield env.timeout(pf_target)
+        rec.span("target", "prefill", t0, env.now, request_id=rid)
+        t = ctx.exp.pair.target
+        _, to_draft = bridge_links(ctx)
+        yield from to_draft.send(features_bytes(req.prompt_len - 1, hidden=t.hidden,
+                                                act_bytes=spec(t.quant).act_bytes), rid)
+        t_features = env.now
+        yield env.timeout(pf_draft)
+        rec.span("draft", "prefill", t_features, env.now, request_id=rid)
+    else:
+        yield env.timeout(max(pf_target, pf_draft))
+        rec.span("target", "prefill", t0, t0 + pf_target, request_id=rid)
+        rec.span("draft", "prefill", t0, t0 + pf_draft, request_id=rid)
+    return env.now - t0
+
+
 @register("async")
 def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     env, cost, rec = ctx.env, ctx.cost, ctx.rec
@@ -242,24 +266,7 @@ def async_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     drafter = TimedTreeDrafter(ctx, tree_tokens(ctx, req))
     rid = req.request_id
 
-    t0 = env.now
-    pf_target, pf_draft = cost.prefill("target", req.prompt_len), cost.prefill("draft", req.prompt_len)
-    if ctx.exp.pair.draft.kind == "eagle":
-        # the head reads the target's features of the prompt: the target prefills, sends them
-        # (real/runtime/async_messages.py: Kind.ACTIVATIONS), then the head feeds its prompt pairs
-        yield env.timeout(pf_target)
-        rec.span("target", "prefill", t0, env.now, request_id=rid)
-        t = ctx.exp.pair.target
-        yield from to_draft.send(features_bytes(req.prompt_len - 1, hidden=t.hidden,
-                                                act_bytes=spec(t.quant).act_bytes), rid)
-        t_features = env.now
-        yield env.timeout(pf_draft)
-        rec.span("draft", "prefill", t_features, env.now, request_id=rid)
-    else:  # prefill on both groups at once
-        yield env.timeout(max(pf_target, pf_draft))
-        rec.span("target", "prefill", t0, t0 + pf_target, request_id=rid)
-        rec.span("draft", "prefill", t0, t0 + pf_draft, request_id=rid)
-    prefill_s = env.now - t0
+    prefill_s = yield from prefill_both(ctx, req)
     start = env.now
     target_inbox, draft_inbox = simpy.Store(env), simpy.Store(env)
     target_side = Side(env, cost, groups["target"], Peer(env, to_draft, target_inbox, draft_inbox), rec,
