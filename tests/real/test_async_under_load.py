@@ -93,6 +93,7 @@ def test_async_under_load_answers_each_request_as_served_alone(temperature: floa
     assert (requests.finish_s >= requests.first_token_s).all()
 
 
+@pytest.mark.slow  # (~10 s; the in-process tests above hold every answer by default)
 @two_cores
 def test_async_under_load_on_two_processes_equals_ar_at_temperature_0(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from real.runtime.engine import run
