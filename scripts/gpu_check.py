@@ -190,7 +190,7 @@ class Check:
         target = self.step("write target", gm.write_checkpoint, self.work / "target", tshape, mix=tmix, seed=1, device=gen_dev)
         draft = self.step("write draft", gm.write_checkpoint, self.work / "draft", dshape, mix=dmix, seed=2, device=gen_dev)
         forwards = []
-        if target is not None and peaks:
+        if target is not None and peaks and "forwards" not in a.skip:
             forwards = self.step("k-token forwards", self.forwards, target) or []
         self.profile = ""
         if target is not None and draft is not None:
@@ -205,7 +205,7 @@ class Check:
             est = 15 if a.tiny else 25
             self.real_run("ar", ["schedule=ar", "real.baseline=false"], base, est)
             for label, overrides in RUNS:
-                if a.tiny and label not in TINY_RUNS:
+                if (a.tiny and label not in TINY_RUNS) or (a.runs and label not in a.runs):
                     continue
                 if label == "+calibrate":
                     continue  # after the device tests: the longest step, the first the budget drops
@@ -214,12 +214,13 @@ class Check:
                     self.real_run(label, overrides, base_dec, est * 1.5)
                 else:
                     self.real_run(label, overrides, base, est)
-            if not a.tiny:
+            if not a.tiny and "device-tests" not in a.skip:
                 self.step("device tests", self.device_tests)
+            if not a.tiny and (not a.runs or "+calibrate" in a.runs):
                 self.step("calibrate", self.calibrate, base)
-            if self.profile:  # the sync runs predicted again, now from the measured tables
+            if self.profile:  # the chain and tree runs predicted again, now from the measured tables
                 for row in self.runs:
-                    if row["run"].startswith("sync") and "error" not in row and self.left_s() > 30:
+                    if row["run"].startswith(("sync", "serial")) and "error" not in row and self.left_s() > 30:
                         overrides = dict(RUNS)[row["run"]]
                         row |= self.predict(row["run"], overrides, Path(row["run_dir"]), row)
         return self.summary(info, peaks, forwards)
@@ -257,7 +258,7 @@ class Check:
         run_dir = self.work / "runs" / "calibrate"
         profile = self.work / "profile.json"
         self.cli([*base, "schedule=sync", "+calibrate=true", f"sim.profile_path={profile}"], run_dir,
-                 timeout_s=min(max(60.0, self.left_s() - 10), 150.0), summary=False)
+                 timeout_s=max(60.0, self.left_s() - 10), summary=False)
         self.profile = str(profile) if profile.is_file() else ""
         if self.profile:  # beside the summary: the tables the profile predictions used
             shutil.copyfile(profile, self.out / "gpu_check_profile.json")
@@ -337,9 +338,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=None)
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--context", type=int, default=None, help="KV slots before the timed forwards")
+    p.add_argument("--runs", nargs="+", default=None, metavar="LABEL",
+                   help="only these runs after ar (labels as in the summary, '+calibrate' included)")
+    p.add_argument("--skip", nargs="+", default=[], choices=["forwards", "device-tests"],
+                   help="leave out the k-token forwards or the device tests")
     p.add_argument("--out", default=os.environ.get("OUT") or "reports/gpu_check")
     p.add_argument("--work", default=None, help="checkpoints and run directories (default: OUT/../work)")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.runs or []) - {label for label, _ in RUNS})
+    if unknown:
+        print(f"gpu_check: no run named {', '.join(unknown)}; the runs are: {', '.join(label for label, _ in RUNS)}")
+        return 2
     args.prompts = args.prompts or (2 if args.tiny else 4)
     args.tokens = args.tokens or (12 if args.tiny else 64)
     args.context = args.context or (32 if args.tiny else 512)

@@ -120,3 +120,12 @@ def test_missing_wheels_is_one_line_and_exit_2(tmp_path: Path) -> None:
                           timeout=30)
     assert proc.returncode == 2
     assert "make gpu-wheels" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_run_label_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--runs` names runs of the check; a label it does not have is refused before anything runs."""
+    from scripts.gpu_check import RUNS, main
+
+    assert main(["--device", "cpu", "--tiny", "--runs", "sync g4", "sync g5", "--out", "/nonexistent/x"]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "sync g5" in out[0] and RUNS[0][0] in out[0]
