@@ -1,7 +1,7 @@
 """`sim.profile_drift=run_probe`: the profile scaled to the machine as the measured run found it.
 
-A shared CPU host drifts: the same forward took 24.7 ms and 31.0 ms within one calibration
-(2026-11-25), and a probe timed in the predicting process minutes after a run says little about
+A shared CPU host drifts: the same forward took 24.7 ms and 31.0 ms within one calibration,
+and a probe timed in the predicting process minutes after a run says little about
 the processes that ran it (per-process page placement, the other core's load then). Every real
 run therefore times fixed probe forwards of each role's model — one token at slot
 ``FORWARD_PROBE_CONTEXT`` (the target also 2, 3, 4 and 8 tokens), on the run's own devices and
@@ -44,7 +44,7 @@ FIELDS = {"target": "probe_target_s", "target_k8": "probe_target_k8_s", "draft":
           "draft_k8": "probe_draft_k8_s",
           "draft_pair": "probe_draft_pair_s",
           **{f"target_k{k}": f"probe_target_k{k}_s" for k in FORWARD_PROBE_SMALL_K}}
-HOWTO = ("real runs record it since 2026-11-25: run the measurement again (`+sweep=validate` runs "
+HOWTO = ("runs made before the probes existed lack it: run the measurement again (`+sweep=validate` runs "
          "it before each prediction), or use sim.profile_drift=forward")
 
 
