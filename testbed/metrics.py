@@ -146,7 +146,8 @@ def load_metrics(requests: pd.DataFrame, timeline: pd.DataFrame, *, slo_ttft_ms:
     """What serving under load is judged by (runs under testbed/arrivals.py's load): TTFT, TPOT
     (after the first token) and end-to-end latency per request (mean, P50, P90, P99), the
     queueing delay, the system's throughput and goodput (requests per second meeting both SLOs;
-    a bound of 0 is no bound), the time-weighted mean batch of the target's forwards, and against
+    a bound of 0 is no bound), the time-weighted mean batch of the target's forwards (a pipeline's:
+    its stages'), and against
     `ar` at the same load the throughput (``load_speedup``) and the P50 TPOT (``tpot_speedup``)."""
     q = requests
     ttft = 1e3 * (q["first_token_s"] - q["arrival_s"])
@@ -158,8 +159,10 @@ def load_metrics(requests: pd.DataFrame, timeline: pd.DataFrame, *, slo_ttft_ms:
     if slo_tpot_ms > 0:
         ok &= tpot.fillna(0.0) <= slo_tpot_ms
     span = float(q["finish_s"].max() - q["arrival_s"].min()) if len(q) else 0.0
-    target = timeline[(timeline["resource"] == "target") & timeline["kind"].isin(["decode", "verify"])] \
-        if len(timeline) else timeline
+    # the target's forwards: its group's, or a pipeline's stages' (each stage is the target's layers)
+    on_target = timeline["resource"].eq("target") | timeline["resource"].str.fullmatch(r"stage\d+") \
+        if len(timeline) else None
+    target = timeline[on_target & timeline["kind"].isin(["decode", "verify"])] if len(timeline) else timeline
     dur = (target["end_s"] - target["start_s"]) if len(target) else pd.Series(dtype=float)
     mean_batch = float((dur * target["batch"]).sum() / dur.sum()) if len(target) and dur.sum() > 0 else float("nan")
     tps = system_throughput(q)

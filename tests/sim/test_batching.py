@@ -192,6 +192,7 @@ def test_a_pipeline_serves_requests_in_flight_at_once_and_keeps_each_stage_to_on
     on_node0 = tl[tl["resource"].isin(["stage0", "draft"])].sort_values("start_s")  # the draft shares node 0
     assert (on_node0["start_s"].to_numpy()[1:] >= on_node0["end_s"].to_numpy()[:-1] - 1e-12).all()
     assert four["load_speedup"] == pytest.approx(four["throughput_tok_s"] / four["ar_throughput_tok_s"])
+    assert four["mean_batch"] == 1.0  # the stages' forwards, one window each
 
 
 def test_async_under_load_batches_both_groups() -> None:
