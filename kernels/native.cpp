@@ -646,6 +646,8 @@ inline void weigh_values(const float* p, const C* vh, long S, long d, long row0,
                 v0 = _mm256_loadu_ps(vs);
                 v1 = _mm256_loadu_ps(vs + 8);
             }
+            SB_IN_REGISTER(v0);  // loaded once for the R rows, not folded into each FMA
+            SB_IN_REGISTER(v1);
             for (int r = 0; r < R; ++r) {
                 const __m256 ps = _mm256_broadcast_ss(p + (row0 + r) * S + s);
                 o[r][0] = _mm256_fmadd_ps(ps, v0, o[r][0]);
@@ -659,6 +661,29 @@ inline void weigh_values(const float* p, const C* vh, long S, long d, long row0,
             _mm256_storeu_ps(dst + 8, o[r][1]);
         }
     }
+}
+#endif
+
+#if defined(SB_AVX2)
+// Scores of rows [row0, row0 + R) (row = r T + t: query head h0 + r of token t) against one block
+// of 8 keys transposed in kt [d][8]: each score the same single FMA chain over i as every other
+// path here, R of them in flight (one alone waits out the FMA latency at every step).
+template <int R>
+inline void key_block_scores(const float* q, const float* kt, long d, long qkv, long T, long h0, long row0,
+                             float scale, __m256i lanes, float* p, long S) {
+    const float* qr[R];
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) {
+        const long row = row0 + r;
+        qr[r] = q + (row % T) * qkv + (h0 + row / T) * d;
+        acc[r] = _mm256_setzero_ps();
+    }
+    for (long i = 0; i < d; ++i) {
+        const __m256 k = _mm256_load_ps(kt + i * 8);
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(qr[r][i]), k, acc[r]);
+    }
+    for (int r = 0; r < R; ++r)
+        _mm256_maskstore_ps(p + (row0 + r) * S, lanes, _mm256_mul_ps(acc[r], _mm256_set1_ps(scale)));
 }
 #endif
 
@@ -758,19 +783,14 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
                 for (long b = 0; b < G; ++b) _mm256_storeu_ps(p + row * S + s0 + 8 * b, _mm256_mul_ps(a[b], sc));
             }
         }
-        for (; s0 < S; s0 += 8) {
+        for (; s0 < S; s0 += 8) {  // the last < G blocks: R rows side by side, R chains in flight
             const long nb = S - s0 < 8 ? S - s0 : 8;
             for (long j = 0; j < 8; ++j)
                 for (long i = 0; i < d; ++i) kt[i * 8 + j] = j < nb ? load_act(kh + (s0 + j) * d, i) : 0.f;
             const __m256i m = first_lanes(nb);
-            for (long r = 0; r < rep; ++r)
-                for (long t = 0; t < T; ++t) {
-                    const float* qh = q + t * qkv + (g * rep + r) * d;
-                    __m256 acc = _mm256_setzero_ps();
-                    for (long i = 0; i < d; ++i)
-                        acc = _mm256_fmadd_ps(_mm256_set1_ps(qh[i]), _mm256_load_ps(kt + i * 8), acc);
-                    _mm256_maskstore_ps(p + (r * T + t) * S + s0, m, _mm256_mul_ps(acc, _mm256_set1_ps(scale)));
-                }
+            long row = 0;
+            for (; row + 8 <= rows; row += 8) key_block_scores<8>(q, kt, d, qkv, T, g * rep, row, scale, m, p + s0, S);
+            for (; row < rows; ++row) key_block_scores<1>(q, kt, d, qkv, T, g * rep, row, scale, m, p + s0, S);
         }
     }
 #endif
