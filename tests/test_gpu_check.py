@@ -77,37 +77,53 @@ def test_wheel_folder_matches_the_list_when_built() -> None:
     assert _wheel_list() <= built, f"`make gpu-wheels` again: missing {_wheel_list() - built}"
 
 
-def test_dry_run_end_to_end(tmp_path: Path) -> None:
-    """`scripts/gpu_check.sh --device cpu --tiny`: every schedule of the dry run equals `ar` at
-    temperature 0, each run wrote telemetry, the k-token table and the summary files exist."""
+# The default run's dry run: one run of each way the check drives the CLI (a chain run with its
+# prediction, the stage processes of a pipeline); every tiny run is the slow test's
+QUICK_RUNS = ("sync g4", "decentralized N=2")
+
+
+def _dry_run(tmp_path: Path, runs: tuple[str, ...]) -> dict:
+    """`scripts/gpu_check.sh --device cpu --tiny --runs RUNS`: every run of it equals `ar` at
+    temperature 0, each wrote telemetry, the k-token table and the summary files exist."""
     # budget 360 s: its real runs wait for the host lock while another real run holds it (the
-    # other pytest-xdist worker's); a run the budget skips would fail the assert on TINY_RUNS
+    # other pytest-xdist worker's); a run the budget skips would fail the assert on the runs
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("OUT", None)
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--device", "cpu", "--tiny",
-                           "--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "360"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+                           "--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "360",
+                           "--runs", *runs], cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((out / "gpu_check.json").read_text())
     assert (out / "gpu_check.md").read_text().startswith("# GPU check")
-    from scripts.gpu_check import TINY_RUNS
-
-    runs = {r["run"]: r for r in s["runs"]}
-    assert set(runs) == {"ar", *TINY_RUNS}, (set(runs), s["skipped"])
-    for name, r in runs.items():
+    runs_done = {r["run"]: r for r in s["runs"]}
+    assert set(runs_done) == {"ar", *runs}, (set(runs_done), s["skipped"])
+    for name, r in runs_done.items():
         assert "error" not in r, (name, r.get("error"))
         assert r["equal_ar"] is True, name
         assert r["tokens_per_s"] > 0 and r["telemetry"] is True, name
-    assert all(0 < runs[n]["alpha"] <= 1 for n in TINY_RUNS)  # the draft is neither always right nor never
-    assert runs[TINY_RUNS[0]]["sim_roofline_tokens_per_s"] > 0  # the simulator's prediction of it
+    assert all(0 < runs_done[n]["alpha"] <= 1 for n in runs)  # the draft is neither always right nor never
+    assert runs_done["sync g4"]["sim_roofline_tokens_per_s"] > 0  # the simulator's prediction of it
     assert [r["k"] for r in s["forwards"]] == [1, 2, 4, 8, 16]
     assert all(r["eager_ms"] > 0 and r["roofline_ms"] > 0 for r in s["forwards"])
     assert all(step["ok"] for step in s["steps"]), s["steps"]
     assert s["all_equal_ar"] is True
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not left, f"processes left behind: {left}"
+    return s
+
+
+def test_dry_run_end_to_end(tmp_path: Path) -> None:
+    _dry_run(tmp_path, QUICK_RUNS)
+
+
+@pytest.mark.slow
+def test_dry_run_of_every_tiny_run(tmp_path: Path) -> None:
+    from scripts.gpu_check import TINY_RUNS
+
+    assert set(QUICK_RUNS) <= set(TINY_RUNS)
+    _dry_run(tmp_path, TINY_RUNS)
 
 
 def test_missing_wheels_is_one_line_and_exit_2(tmp_path: Path) -> None:

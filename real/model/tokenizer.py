@@ -72,8 +72,9 @@ class Tokenizer:
 
     # ------------------------------------------------------------------------ construction
     @classmethod
-    def from_gguf(cls, source) -> Tokenizer:
-        """From a .gguf path (through the JSON cache) or an open ``gguf.GGUFReader``."""
+    def from_gguf(cls, source, reader=None) -> Tokenizer:  # noqa: ANN001 - reader: gguf.GGUFReader
+        """From a .gguf path (through the JSON cache; on a miss read through ``reader`` when the
+        caller has the file open already) or an open ``gguf.GGUFReader``."""
         if not hasattr(source, "fields"):
             if not Path(source).is_file():
                 raise WeightsNotFound(str(source), "pass an existing .gguf file")
@@ -83,7 +84,7 @@ class Tokenizer:
                 return cached
             from real.model.paths import open_gguf
 
-            tok = cls.from_gguf(open_gguf(source))
+            tok = cls.from_gguf(reader if reader is not None else open_gguf(source))
             tok._to_cache(cache)
             return tok
         fields = source.fields

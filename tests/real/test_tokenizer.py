@@ -141,16 +141,13 @@ def test_chatml_fallback_renders_without_a_template() -> None:
     assert text == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
 
 
-def tokenizer_only_gguf(path) -> None:  # type: ignore[no-untyped-def]
-    """A .gguf holding a byte-level BPE tokenizer and no tensors: the 256 byte symbols, three
-    merges, ChatML's special tokens and a chat template. gguf reads it in milliseconds (the
-    bundled 49k-token vocabulary takes seconds, three times in the test below)."""
-    import gguf
+def add_tiny_tokenizer(w) -> int:  # type: ignore[no-untyped-def]  # w: gguf.GGUFWriter
+    """A byte-level BPE tokenizer in ``w``'s metadata: the 256 byte symbols, three merges,
+    ChatML's special tokens and a chat template. Returns the vocabulary size."""
     from tokenizers.pre_tokenizers import ByteLevel
 
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = [*special, *sorted(ByteLevel.alphabet()), "Ġt", "he", "Ġthe"]
-    w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -159,6 +156,16 @@ def tokenizer_only_gguf(path) -> None:  # type: ignore[no-untyped-def]
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(CHATML)
+    return len(tokens)
+
+
+def tokenizer_only_gguf(path) -> None:  # type: ignore[no-untyped-def]
+    """A .gguf holding ``add_tiny_tokenizer``'s tokenizer and no tensors: gguf reads it in
+    milliseconds (the bundled 49k-token vocabulary takes seconds, three times in the test below)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    add_tiny_tokenizer(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

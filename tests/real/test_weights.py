@@ -64,3 +64,76 @@ def test_bundled_gguf_args() -> None:
     assert args.vocab_size == 49152 and args.tie_embeddings and args.rope_theta == 100000.0
     cfg = args.to_model_config("smollm2_135m")
     assert 134e6 < cfg.params < 136e6
+
+
+def tiny_llama_gguf(path, *, seed: int = 0) -> None:  # type: ignore[no-untyped-def]
+    """A one-layer Llama GGUF (64 wide, 4 query / 2 KV heads, tied embeddings, fp32 tensors) with
+    the tiny tokenizer of test_tokenizer: what load_model reads from a .gguf, in milliseconds."""
+    import gguf
+
+    from tests.real.test_tokenizer import add_tiny_tokenizer
+
+    dim, heads, kv, hd, ffn = 64, 4, 2, 16, 128
+    g = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    vocab = add_tiny_tokenizer(w)
+    w.add_block_count(1)
+    w.add_embedding_length(dim)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_feed_forward_length(ffn)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_context_length(256)
+    shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,),
+              "blk.0.attn_norm.weight": (dim,), "blk.0.attn_q.weight": (heads * hd, dim),
+              "blk.0.attn_k.weight": (kv * hd, dim), "blk.0.attn_v.weight": (kv * hd, dim),
+              "blk.0.attn_output.weight": (dim, heads * hd), "blk.0.ffn_norm.weight": (dim,),
+              "blk.0.ffn_gate.weight": (ffn, dim), "blk.0.ffn_up.weight": (ffn, dim),
+              "blk.0.ffn_down.weight": (dim, ffn)}
+    for name, shape in shapes.items():
+        w.add_tensor(name, (0.1 * g.standard_normal(shape)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gguf_is_read_once_then_loaded_from_its_safetensors_cache(tmp_path, monkeypatch) -> None:
+    """The first load of a .gguf keeps its dequantized weights (and its tokenizer) in the cache;
+    the next loads open no GGUF and give the same model; a damaged cache file is rebuilt; a
+    changed file gets another key."""
+    import os
+
+    import torch
+
+    import real.model.tokenizer as rt
+    from real.model import gguf_cache
+
+    path = tmp_path / "tiny.gguf"
+    tiny_llama_gguf(path)
+    monkeypatch.setattr(gguf_cache, "cache_file", lambda p: tmp_path / f"{p.stem}-{p.stat().st_mtime_ns}.safetensors")
+    monkeypatch.setattr(rt, "_cache_file", lambda p: tmp_path / f"{p.stem}-{p.stat().st_mtime_ns}.json")
+    first, tok1 = load_model(path)
+    assert gguf_cache.cache_file(path).is_file() and rt._cache_file(path).is_file()
+
+    def no_gguf(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the GGUF was read again")
+
+    with monkeypatch.context() as m:
+        m.setattr(weights, "open_gguf", no_gguf)
+        m.setattr("real.model.paths.open_gguf", no_gguf)
+        again, tok2 = load_model(path)
+    assert again.args == first.args and again.args.tie_embeddings
+    for (name, a), (_, b) in zip(first.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert tok2.encode(" the hello") == tok1.encode(" the hello")
+    x = torch.tensor([[5, 70, 200]])
+    assert torch.equal(first(x, 0), again(x, 0))
+
+    gguf_cache.cache_file(path).write_bytes(b"not safetensors")  # damaged: read from the GGUF again
+    rebuilt, _ = load_model(path)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), rebuilt.state_dict().values()))
+    assert gguf_cache.load(path) is not None  # and stored whole again
+    os.utime(path, ns=(1, 1))  # the file changed: another key, nothing stale is read
+    assert gguf_cache.load(path) is None
