@@ -330,11 +330,27 @@ def markdown(s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def archive_runs(runs: Path, archive: Path, max_file_bytes: int = 4 << 20) -> None:
+    """The runs' directories (summaries, requests, rounds, timelines, experiments) in one file
+    beside the summary: the GPU machine is gone after the check, and the simulator's predictions
+    of its runs can be made again from these traces anywhere (acceptance.trace_path)."""
+    import tarfile
+
+    if not runs.is_dir():
+        return
+
+    def small(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return None if ".hydra" in Path(info.name).parts or info.size > max_file_bytes else info
+
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(runs, arcname="runs", filter=small)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (the check) or cpu (the dry run)")
     p.add_argument("--tiny", action="store_true", help="tiny models (the dry run)")
-    p.add_argument("--budget-s", type=float, default=450.0, help="skip what would not fit after this")
+    p.add_argument("--budget-s", type=float, default=520.0, help="skip what would not fit after this")
     p.add_argument("--prompts", type=int, default=None)
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--context", type=int, default=None, help="KV slots before the timed forwards")
@@ -359,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     s = Check(args).run()
     (Path(args.out) / "gpu_check.json").write_text(json.dumps(s, indent=1, default=str))
+    archive_runs(Path(args.work) / "runs", Path(args.out) / "gpu_check_runs.tar.gz")
     md = markdown(s)
     (Path(args.out) / "gpu_check.md").write_text(md)
     print(md)

@@ -77,9 +77,9 @@ def test_wheel_folder_matches_the_list_when_built() -> None:
     assert _wheel_list() <= built, f"`make gpu-wheels` again: missing {_wheel_list() - built}"
 
 
-# The default run's dry run: one run of each way the check drives the CLI (a chain run with its
-# prediction, the stage processes of a pipeline); every tiny run is the slow test's
-QUICK_RUNS = ("sync g4", "decentralized N=2")
+# The default run's dry run: `ar` and a chain run with its prediction (the pipeline's stage
+# processes, trees and load are run by tests/real); every tiny run is the slow test's
+QUICK_RUNS = ("sync g4",)
 
 
 def _dry_run(tmp_path: Path, runs: tuple[str, ...]) -> dict:
@@ -109,6 +109,12 @@ def _dry_run(tmp_path: Path, runs: tuple[str, ...]) -> dict:
     assert all(r["eager_ms"] > 0 and r["roofline_ms"] > 0 for r in s["forwards"])
     assert all(step["ok"] for step in s["steps"]), s["steps"]
     assert s["all_equal_ar"] is True
+    import tarfile
+
+    with tarfile.open(out / "gpu_check_runs.tar.gz") as tar:  # the traces, for predictions elsewhere
+        names = tar.getnames()
+    assert {"runs/sync_g4/rounds.parquet", "runs/ar/requests.parquet"} <= set(names)
+    assert not any(".hydra" in n for n in names)
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not left, f"processes left behind: {left}"
     return s
