@@ -81,9 +81,16 @@ class CacheRows:
                     c.index_copy_(1, d, c.index_select(1, s))
 
     @torch.inference_mode()
-    def prefill(self, row: int, tokens: list[int], *, last_logits: bool = False) -> Tensor | None:
-        """Cache ``tokens`` in slots ``0..n-1`` of ``row`` as a batch-1 prefill would."""
-        logits = prefill(self.model, tokens, last_logits=last_logits)
+    def prefill(self, row: int, tokens: list[int], *, last_logits: bool = False,
+                every_logit: bool = False) -> Tensor | None:
+        """Cache ``tokens`` in slots ``0..n-1`` of ``row`` as a batch-1 prefill would; with
+        ``every_logit`` return the fp32 logits after every token ``[n, V]`` (a teacher's)."""
+        if every_logit and tokens:
+            m = self.model
+            m.truncate(0)
+            logits: Tensor | None = m.head(m.forward_layers(m.embed(torch.tensor([tokens], device=m.device)), 0))[0]
+        else:
+            logits = prefill(self.model, tokens, last_logits=last_logits)
         n = len(tokens)
         for layer in self.model.layers:
             cache = layer.attention.kv_cache

@@ -99,52 +99,44 @@ def _topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
 @torch.inference_mode()
 def generate_batch(target, prompts: list[list[int]], *, max_new: int, temperature: float, k: int,
                    eos: list[int], gen: torch.Generator) -> list[dict]:
-    """Batched (left-padded) generation with the target; records top-k log-probs everywhere.
+    """The target's continuations of ``prompts``, recording top-k log-probs everywhere.
 
-    Left padding shifts each row's RoPE positions by its pad count, which leaves attention
-    unchanged (scores depend on position differences); pad slots are masked out."""
+    Continuous batching as the real backend serves load (real/model/batch.py): every prompt owns
+    a KV-cache row, and each step is one batched forward over the unfinished ones through the
+    native kernels, which give each row the logits it gets served alone (a greedy continuation is
+    the `ar` run's). A step samples the unfinished rows in prompt order from ``gen``."""
+    from real.model.batch import CacheRows, Feed, forward_batch
+
     b, lens = len(prompts), [len(p) for p in prompts]
-    L = max(lens)
-    pads = torch.tensor([L - n for n in lens])
-    x = torch.zeros(b, L, dtype=torch.long)
-    for r, p in enumerate(prompts):
-        x[r, L - len(p):] = torch.tensor(p)
-    target.setup_cache(L + max_new, b)
-    s = torch.arange(L)
-    valid = s[None, :] >= pads[:, None]  # [B, S]
-    mask = (s[None, :] <= s[:, None])[None] & valid[:, None, :]
-    mask = (mask | torch.eye(L, dtype=torch.bool)[None])[:, None]  # pad rows see themselves
-    h = target.forward_layers(target.embed(x), 0, mask)
-    idx, lps, last = [], [], []
-    for r in range(b):
-        logits = target.head(h[r: r + 1, L - lens[r]:])[0]
+    rows = CacheRows(target, b, max(lens) + max_new)
+    row_of, idx, lps, last = [], [], [], []
+    for p in prompts:
+        row_of.append(rows.acquire())
+        logits = rows.prefill(row_of[-1], p, every_logit=True)
         i, v = _topk(logits, k)
         idx.append([i])
         lps.append([v])
         last.append(logits[-1])
-    logits = torch.stack(last)
     out_tokens: list[list[int]] = [[] for _ in range(b)]
-    done = torch.zeros(b, dtype=torch.bool)
-    eos_t = torch.tensor(eos)
+    active = list(range(b))
+    eos_set = set(eos)
     for step in range(max_new):
+        logits = torch.stack([last[r] for r in active])
         if temperature == 0:
             nxt = logits.argmax(-1)
         else:
             nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
-        for r in range(b):
-            if not done[r]:
-                out_tokens[r].append(int(nxt[r]))
-        done |= torch.isin(nxt, eos_t)
-        if bool(done.all()) or step == max_new - 1:
+        for r, t in zip(active, nxt.tolist()):
+            out_tokens[r].append(t)
+        active = [r for r in active if out_tokens[r][-1] not in eos_set]
+        if not active or step == max_new - 1:
             break
-        pos = L + step
-        m = torch.cat([valid, torch.ones(b, step + 1, dtype=torch.bool)], 1)[:, None, None, :]
-        logits = target(nxt[:, None], pos, m)[:, 0]
-        i, v = _topk(logits, k)
-        for r in range(b):
-            if not done[r]:
-                idx[r].append(i[r: r + 1])
-                lps[r].append(v[r: r + 1])
+        feeds = [Feed(row_of[r], [out_tokens[r][-1]], lens[r] + step) for r in active]
+        for r, lg in zip(active, forward_batch(target, feeds)):
+            i, v = _topk(lg, k)
+            idx[r].append(i)
+            lps[r].append(v)
+            last[r] = lg[-1]
     seqs = []
     for r in range(b):
         n_gen = len(out_tokens[r])

@@ -171,3 +171,29 @@ def test_t0_run_length_accounting_matches_brute_force_sync(gamma: int) -> None:
     assert 0 < (draft_tf == target_tf).float().mean() < 1  # both outcomes occur
     assert len(counted) > m // (gamma + 1)
     assert counted == brute[: len(counted)]
+
+
+@pytest.mark.model
+def test_teacher_generation_is_each_prompts_greedy_continuation_with_its_top_k() -> None:
+    """generate_batch serves its prompts as continuous batching does (a cache row each, one
+    batched forward a step): each greedy continuation equals the prompt's own `ar` continuation,
+    rows that stop early stop alone, and the recorded top-k are the target's log-probabilities
+    at every position (prompt and generated) but the last."""
+    from real.model.generate import greedy_generate
+    from real.model.weights import load_model
+    from real.train.draft_data import generate_batch
+
+    target, tok = load_model(max_seq=96)
+    prompts = [tok.encode(t) for t in ("def add(a, b):", "The capital of France is", "x = [1, 2, 3]\nprint(")]
+    eos = [tok.encode(" Paris")[0]]  # a stop token one of the prompts reaches early
+    seqs = generate_batch(target, prompts, max_new=10, temperature=0.0, k=4, eos=eos, gen=torch.Generator())
+    served_alone, _ = load_model(max_seq=96)
+    for p, s in zip(prompts, seqs):
+        alone = greedy_generate(served_alone, p, 10, eos_token_ids=eos)
+        assert s["tokens"].tolist() == p + alone and s["n_prompt"] == len(p)
+        full = served_alone(torch.tensor([s["tokens"].tolist()]), 0)[0, :-1]  # teacher-forced
+        lp = torch.log_softmax(full.float(), -1)
+        assert s["idx"].shape == (len(s["tokens"]) - 1, 4)
+        assert torch.equal(s["idx"][:, 0].long(), lp.argmax(-1))
+        assert torch.allclose(s["lp"].float(), lp.gather(-1, s["idx"].long()), atol=1e-2)  # kept in fp16
+    assert len(seqs[1]["tokens"]) - len(prompts[1]) < 10 and seqs[1]["tokens"][-1] == eos[0]
