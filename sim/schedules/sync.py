@@ -17,6 +17,19 @@ from testbed.recorder import RequestRecord
 from testbed.spec.lookahead import lookahead_for
 
 
+def prefill_in_turn(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, float]:
+    """A request's prefill where draft and target run one after the other (`sync`, the serial
+    tree): the target's, then the draft's. Returns the seconds."""
+    env, cost, rec, rid = ctx.env, ctx.cost, ctx.rec, req.request_id
+    t0 = env.now
+    pf_target = cost.prefill("target", req.prompt_len)
+    pf_draft = cost.prefill("draft", req.prompt_len)
+    yield env.timeout(pf_target + pf_draft)
+    rec.span("target", "prefill", t0, t0 + pf_target, request_id=rid)
+    rec.span("draft", "prefill", t0 + pf_target, env.now, request_id=rid)
+    return env.now - t0
+
+
 @register("sync")
 def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     env, cost, rec, exp = ctx.env, ctx.cost, ctx.rec, ctx.exp
@@ -25,13 +38,7 @@ def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     forwards = 0  # draft forwards (an oracle's dropped guess was drafted); none for n-gram
     ngram = exp.pair.draft.kind == "ngram"
     rid = req.request_id
-    t0 = env.now
-    pf_target = cost.prefill("target", req.prompt_len)
-    pf_draft = cost.prefill("draft", req.prompt_len)
-    yield env.timeout(pf_target + pf_draft)
-    rec.span("target", "prefill", t0, t0 + pf_target, request_id=rid)
-    rec.span("draft", "prefill", t0 + pf_target, env.now, request_id=rid)
-    prefill_s = env.now - t0
+    prefill_s = yield from prefill_in_turn(ctx, req)
     start = env.now
     seq_len = req.prompt_len  # tokens in the sequence; the target has seq_len-1 of them cached
     pending = 1  # tokens the draft must feed before its first guess

@@ -18,6 +18,7 @@ from typing import Any
 from sim.oracle.tree_tokens import TimedTreeDrafter, tree_tokens
 from sim.runtime.context import SimContext, SimRequest
 from sim.schedules import register
+from sim.schedules.sync import prefill_in_turn
 from testbed.recorder import RequestRecord
 
 
@@ -28,13 +29,7 @@ def sync_tree(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
     depth = s.tree_depth or s.gamma
     drafter = TimedTreeDrafter(ctx, tree_tokens(ctx, req))
     rid = req.request_id
-    t0 = env.now
-    pf_target = cost.prefill("target", req.prompt_len)
-    pf_draft = cost.prefill("draft", req.prompt_len)
-    yield env.timeout(pf_target + pf_draft)
-    rec.span("target", "prefill", t0, t0 + pf_target, request_id=rid)
-    rec.span("draft", "prefill", t0 + pf_target, env.now, request_id=rid)
-    prefill_s = env.now - t0
+    prefill_s = yield from prefill_in_turn(ctx, req)
     start = env.now
     seq_len = req.prompt_len
     generated, r = 0, 0
