@@ -335,13 +335,19 @@ def draft_worker(side: Side, req: RealRequest, depth: AsyncDepth | int, *, width
         rec.span("draft", "expand", s0, now(), request_id=rid, round_idx=r)
         return now() - s0
 
-    r, draft_s, times = 0, 0.0, []  # times: expansions since d was last updated
-    while len(tree) < drafter.budget:
-        dt = expand(r)
-        if dt is None:
-            break
-        draft_s += dt
-        times.append(dt)
+    def fill(r: int) -> float:
+        """Expand until the tree holds its budget (or has no leaf left); the seconds spent."""
+        spent = 0.0
+        while len(tree) < drafter.budget:
+            dt = expand(r)
+            if dt is None:
+                break
+            spent += dt
+            times.append(dt)
+        return spent
+
+    r, times = 0, []  # times: expansions since d was last updated
+    draft_s = fill(r)
     while True:
         s0 = now()
         batch = drafter.select()
@@ -375,12 +381,7 @@ def draft_worker(side: Side, req: RealRequest, depth: AsyncDepth | int, *, width
         rec.span("draft", "reroot", s0, now(), request_id=rid, round_idx=r)
         side.charge("reroot", now() - s0)
         r += 1
-        while len(tree) < drafter.budget:
-            dt = expand(r)
-            if dt is None:
-                break
-            draft_s += dt
-            times.append(dt)
+        draft_s += fill(r)
 
 
 # the registry's entry: the two groups' halves, run by the two_groups layout's runner (real/runtime/async_run.py)

@@ -186,13 +186,19 @@ def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: 
 
     select_s, reroot_s = side.cost.tree_round_bookkeeping(drafter.width)
     vocab, sampled = side.vocab, side.sampled
-    r, draft_s, times = 0, 0.0, []  # times: expansions since d was last updated
-    while len(tree) < drafter.budget:
-        dt = yield from expand(r)
-        if dt is None:
-            break
-        draft_s += dt
-        times.append(dt)
+    def fill(r: int) -> Generator[Any, Any, float]:
+        """Expand until the tree holds its budget (or has no leaf left); the seconds spent."""
+        spent = 0.0
+        while len(tree) < drafter.budget:
+            dt = yield from expand(r)
+            if dt is None:
+                break
+            spent += dt
+            times.append(dt)
+        return spent
+
+    r, times = 0, []  # times: expansions since d was last updated
+    draft_s = yield from fill(r)
     while True:
         yield from bookkeeping("select", select_s, r)
         batch, keys = drafter.select()
@@ -214,12 +220,7 @@ def draft_worker(side: Side, req: SimRequest, drafter: TimedTreeDrafter, depth: 
         drafter.advance(tokens)  # re-root + KV compaction
         yield from bookkeeping("reroot", reroot_s, r)
         r += 1
-        while len(tree) < drafter.budget:
-            dt = yield from expand(r)
-            if dt is None:
-                break
-            draft_s += dt
-            times.append(dt)
+        draft_s += yield from fill(r)
 
 
 def reply_feature_bytes(exp: Any) -> int:
