@@ -361,6 +361,10 @@ def _measure_tp(exp: ExperimentConfig, models: dict[str, Any], grid: Any,
     from real.calibrate.contention import add_contention
     from real.calibrate.tp import measure_tp
 
+    if exp.real.device != "cpu":  # the two workers time CPU cores: not this device's shapes
+        log(f"tensor-parallel tables: skipped (real.device={exp.real.device}: the two pinned workers "
+            "time CPU cores)")
+        return {}
     if len(os.sched_getaffinity(0)) < 2:
         log("tensor-parallel tables: skipped (one core: TP 1 only)")
         return {}

@@ -48,3 +48,23 @@ def test_quick_measurement_has_every_table(tmp_path) -> None:  # type: ignore[no
     alive = [p for p in psutil.Process().children(recursive=True)
              if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())]
     assert not alive
+
+
+def test_a_gpu_profile_gets_no_cpu_core_tables(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On a GPU the two pinned workers would time CPU cores: the profile keeps TP 1 only (and
+    says so) instead of CPU tables that would reshape the GPU's forwards."""
+    import dataclasses
+
+    import real.calibrate.tp as tp
+    from real.calibrate.profile import _measure_tp
+
+    exp = compose_exp("backend=real")
+    gpu = dataclasses.replace(exp, real=dataclasses.replace(exp.real, device="cuda"))
+
+    def launched(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the CPU workers were launched")
+
+    monkeypatch.setattr(tp, "measure_tp", launched)
+    said: list[str] = []
+    assert _measure_tp(gpu, {}, None, said.append) == {}
+    assert said and "real.device=cuda" in said[0]
