@@ -85,12 +85,7 @@ class CacheRows:
                 every_logit: bool = False) -> Tensor | None:
         """Cache ``tokens`` in slots ``0..n-1`` of ``row`` as a batch-1 prefill would; with
         ``every_logit`` return the fp32 logits after every token ``[n, V]`` (a teacher's)."""
-        if every_logit and tokens:
-            m = self.model
-            m.truncate(0)
-            logits: Tensor | None = m.head(m.forward_layers(m.embed(torch.tensor([tokens], device=m.device)), 0))[0]
-        else:
-            logits = prefill(self.model, tokens, last_logits=last_logits)
+        logits = prefill(self.model, tokens, last_logits=last_logits, every_logit=every_logit)
         n = len(tokens)
         for layer in self.model.layers:
             cache = layer.attention.kv_cache

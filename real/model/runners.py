@@ -26,15 +26,18 @@ def sync_device() -> None:
 
 @torch.inference_mode()
 def prefill(model: Transformer, tokens: Sequence[int], *, last_logits: bool = False,
-            ) -> torch.Tensor | None:
+            every_logit: bool = False) -> torch.Tensor | None:
     """Reset ``model``'s cache and write ``tokens`` into slots ``0..len-1``. With
     ``last_logits`` return the fp32 logits after the last token ``[V]`` (the LM head runs only
-    there), else None (no LM head: no token is sampled)."""
+    there), with ``every_logit`` those after every token ``[len, V]`` (a teacher's), else None
+    (no LM head: no token is sampled)."""
     model.truncate(0)
     if not tokens:
         return None
     x = torch.tensor([list(tokens)], device=model.device)
     h = model.forward_layers(model.embed(x), 0)
+    if every_logit:
+        return model.head(h)[0]
     return model.head(h[:, -1:])[0, -1] if last_logits else None
 
 
