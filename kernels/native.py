@@ -402,8 +402,8 @@ def decode_layers(model, lo: int, hi: int, h: Tensor, *, cos: Tensor, sin: Tenso
 
 
 def batch_layers(model, h: Tensor, *, hi: int, cos: Tensor, sin: Tensor, slots: Tensor, starts: list[int],
-                 kv_lens: list[int], cache_rows: list[int], masks: list[Tensor | None]) -> Tensor | None:
-    """Layers ``[0, hi)`` of ``model`` on the rows of several sequences at once (continuous batching):
+                 kv_lens: list[int], cache_rows: list[int], masks: list[Tensor | None], lo: int = 0) -> Tensor | None:
+    """Layers ``[lo, hi)`` of ``model`` on the rows of several sequences at once (continuous batching):
     ``h [1, R, dim]``, rows ``starts[i]:starts[i + 1]`` of sequence i, written at ``slots`` of
     KV-cache batch row ``cache_rows[i]``, attending over its slots ``[0, kv_lens[i])`` through
     ``masks[i]`` (bool ``[T_i, kv_lens[i]]``) or causally (None). None where the native path does
@@ -413,9 +413,8 @@ def batch_layers(model, h: Tensor, *, hi: int, cos: Tensor, sin: Tensor, slots: 
     if getattr(model, "tp_allreduce", None) is not None or (torch.is_grad_enabled() and model.norm.requires_grad):
         return None
     t = h.shape[1]
-    if t > MAX_TOKENS or h.dtype not in _CODES or cos.dtype != h.dtype:
+    if t > MAX_TOKENS or h.dtype not in _CODES or cos.dtype != h.dtype or hi <= lo:
         return None
-    lo = 0
     packed = _pack(model, lo, hi)
     if packed is None or _CODES[h.dtype] != packed[1].dtype:
         return None

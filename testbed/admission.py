@@ -94,3 +94,14 @@ def count_round(a: Served, now: float) -> None:
     a.rounds += 1
     if a.rounds == 1:
         a.first_token_s = now
+
+
+def mark_load(rec: Any, request_id: int, *, arrival: float, admit: float, finish: float,
+              rounds_from: int) -> None:
+    """Add the load fields to a request's row, which its one-request schedule recorded as when
+    served alone (a pipeline's requests in flight, sim/runtime/pipelined.py and
+    real/runtime/pipelined.py): arrival, queueing, its first round's end (its first token) and
+    its finish. Its rounds are recorded from index ``rounds_from`` on (its admission)."""
+    first = next((r[3] for r in rec.rounds[rounds_from:] if r[0] == request_id), float("nan"))
+    row = next(r for r in reversed(rec.requests) if r["request_id"] == request_id)
+    row.update(arrival_s=arrival, queue_s=admit - arrival, first_token_s=first, finish_s=finish)

@@ -119,6 +119,20 @@ class ModelConfig:
         emb = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         return self.layers * (attn + mlp + 2 * self.hidden) + emb + self.hidden
 
+    def stage_share(self, lo: int, hi: int) -> float:
+        """The share of a forward's weight reads that a pipeline stage of layers ``[lo, hi)``
+        makes: its layers, and on the last stage the LM head (the embedding is a lookup of a few
+        rows). A decode forward streams its weights, so a stage takes about this share of its
+        time (measured on the bundled target split in two: 41 % and 59 %, this share 39.5 % and
+        60.5 %); layers/total for a model without its shapes."""
+        if self.kind != "transformer" or not (self.hidden and self.heads and self.vocab and self.layers):
+            return (hi - lo) / max(self.layers, 1)
+        hd = self.head_dim or (self.hidden // self.heads)
+        per_layer = (self.hidden * hd * (self.heads + 2 * self.kv_heads) + self.heads * hd * self.hidden
+                     + (2 if self.mlp == "gelu" else 3) * self.hidden * self.ffn)
+        head = self.vocab * self.hidden
+        return ((hi - lo) * per_layer + (head if hi >= self.layers else 0)) / (self.layers * per_layer + head)
+
 
 @dataclass
 class PairConfig:

@@ -16,6 +16,7 @@ from testbed.config import (
     workload_names,
 )
 from testbed.schedules import (
+    PIPELINE,
     TWO_GROUPS,
     names_where,
     schedule_names,
@@ -141,13 +142,15 @@ REAL_MAX_BATCH = 64  # KV-cache rows a real run allocates at most (real/model/ba
 
 def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type: ignore[no-untyped-def]
     """What real/runtime/batching.py serves: `ar`, the chain of `sync` (a draft model, early exit
-    or prompt lookup) and the serial tree (a draft model), in one process; and
-    real/runtime/batching_async.py: `async` with a draft model, one device per group."""
+    or prompt lookup) and the serial tree (a draft model), in one process;
+    real/runtime/batching_async.py: `async` with a draft model, one device per group; and
+    real/runtime/pipelined.py: `decentralized` (a draft model or prompt lookup) and `ar` over a
+    pipeline of two nodes or more."""
     kind = exp.pair.draft.kind
-    if exp.placement.nodes > 1:
-        raise ConfigError("placement.nodes", exp.placement.nodes, f"1 under load ({load}) on backend=real: "
-                          "a pipeline over nodes serves one request at a time there (backend=sim serves "
-                          "several in flight)")
+    if spec.layout == PIPELINE and exp.placement.nodes < 2:
+        raise ConfigError("placement.nodes", exp.placement.nodes, f"2 or more under load ({load}) with "
+                          f"schedule={spec.name} on backend=real: a one-node pipeline serves one request at "
+                          "a time (schedule=sync batches the same draft on one node)")
     if (spec.tree or exp.schedule.tree) and kind != "transformer":
         raise ConfigError("pair.draft.kind", kind, f"transformer under load ({load}) with {spec.name}'s token "
                           "trees on backend=real: the batched trees grow on a draft model's own KV-cache rows")

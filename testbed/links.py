@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 TOKEN_BYTES = 4  # a token id on the wire (int32)
 TREE_NODE_BYTES = 3 * TOKEN_BYTES  # token id, position, parent index (int32 each): the mask is implied
-HEADER_INTS = 28  # int64 fields of real/runtime/links.py's fixed header (see real/runtime/links.py)
+HEADER_INTS = 30  # int64 fields of real/runtime/links.py's fixed header (see real/runtime/links.py)
 HEADER_BYTES = 8 * HEADER_INTS
 
 

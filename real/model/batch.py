@@ -86,13 +86,19 @@ class CacheRows:
         """Cache ``tokens`` in slots ``0..n-1`` of ``row`` as a batch-1 prefill would; with
         ``every_logit`` return the fp32 logits after every token ``[n, V]`` (a teacher's)."""
         logits = prefill(self.model, tokens, last_logits=last_logits, every_logit=every_logit)
-        n = len(tokens)
-        for layer in self.model.layers:
-            cache = layer.attention.kv_cache
-            if cache is not None and n:
-                cache.k_cache[row, :, :n] = cache.k_cache[0, :, :n]
-                cache.v_cache[row, :, :n] = cache.v_cache[0, :, :n]
+        copy_prefix(self.model, row, len(tokens))
         return logits
+
+
+@torch.inference_mode()
+def copy_prefix(model: Transformer, row: int, n: int) -> None:
+    """Copy slots ``0..n-1`` of the prefill row (0) to ``row`` in every layer with a cache (a
+    pipeline stage: only its own)."""
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        if cache is not None and n:
+            cache.k_cache[row, :, :n] = cache.k_cache[0, :, :n]
+            cache.v_cache[row, :, :n] = cache.v_cache[0, :, :n]
 
 
 @torch.inference_mode()
@@ -133,30 +139,37 @@ def _groups(feeds: list[Feed], max_rows: int) -> list[list[Feed]]:
 
 
 def _layers(model: Transformer, feeds: list[Feed], hi: int) -> Tensor:
+    tokens = torch.tensor([[t for f in feeds for t in f.tokens]], device=model.device)
+    return layers_rows(model, model.embed(tokens), feeds, lo=0, hi=hi)
+
+
+@torch.inference_mode()
+def layers_rows(model: Transformer, h: Tensor, feeds: list[Feed], *, lo: int, hi: int) -> Tensor:
+    """Layers ``[lo, hi)`` on the hidden states ``h [1, R, dim]`` of the feeds' rows (their
+    tokens in order; a pipeline stage's share of a forward on a request's cache row)."""
     dev = model.device
-    tokens = torch.tensor([[t for f in feeds for t in f.tokens]], device=dev)
     slots = torch.tensor([s for f in feeds for s in f.cache_slots], dtype=torch.long, device=dev)
     rope = torch.tensor([p for f in feeds for p in (f.positions if f.positions is not None else f.cache_slots)],
                         dtype=torch.long, device=dev)
-    h = model.embed(tokens)
     cos, sin = model.rope_cos[rope], model.rope_sin_signed[rope]
     starts = [0]
     for f in feeds:
         starts.append(starts[-1] + len(f.tokens))
-    out = native.batch_layers(model, h, hi=hi, cos=cos, sin=sin, slots=slots, starts=starts,
+    out = native.batch_layers(model, h, lo=lo, hi=hi, cos=cos, sin=sin, slots=slots, starts=starts,
                               kv_lens=[f.kv_len for f in feeds], cache_rows=[f.row for f in feeds],
                               masks=[f.mask for f in feeds]) if native.AVAILABLE else None
-    return out if out is not None else reference_layers(model, h, feeds, hi=hi, cos=cos, sin=sin, slots=slots)
+    return out if out is not None else reference_layers(model, h, feeds, lo=lo, hi=hi, cos=cos, sin=sin, slots=slots)
 
 
 def reference_layers(model: Transformer, h: Tensor, feeds: list[Feed], *, hi: int, cos: Tensor, sin: Tensor,
-                     slots: Tensor) -> Tensor:
-    """The batched layers op by op (the registered ``kernels`` ops): the projections over all rows,
-    attention per feed over its cache row. What runs off the CPU, and the native path's oracle."""
+                     slots: Tensor, lo: int = 0) -> Tensor:
+    """The batched layers ``[lo, hi)`` op by op (the registered ``kernels`` ops): the projections
+    over all rows, attention per feed over its cache row. What runs off the CPU, and the native
+    path's oracle."""
     starts = [0]
     for f in feeds:
         starts.append(starts[-1] + len(f.tokens))
-    for layer in model.layers[:hi]:
+    for layer in model.layers[lo:hi]:
         att, ffn = layer.attention, layer.feed_forward
         hq, hkv, d = att.n_heads, att.n_kv_heads, att.head_dim
         x = kernels.rms_norm(h, layer.attention_norm, layer.eps)

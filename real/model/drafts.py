@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from real.model.batch import CacheRows, Feed, forward_batch
 from real.model.decoder import Transformer
 from real.model.runners import chain_logits, prefill
 from testbed.spec.lookahead import ONE_HOT_FEATURES, Decision, LookaheadPolicy, draft_token_features
@@ -149,6 +150,26 @@ class ModelDraft(_ForwardDraft):
         x = torch.tensor([tokens], device=self.model.device)
         h = self.model.forward_layers(self.model.embed(x), start)
         return self.model.head(h[:, -1:])[0, -1]
+
+
+class RowModelDraft(ModelDraft):
+    """A draft model's state for one of several requests in flight whose windows are drafted one
+    at a time (a pipeline's first stage under load, real/runtime/pipelined.py): the request's own
+    row of the draft's KV cache, the model shared. Its logits equal the one-request draft's
+    (real/model/batch.py: a row computes the same whatever row it is)."""
+
+    def __init__(self, model: Transformer, params: SamplingParams, name: str, *, rows: CacheRows,
+                 row: int) -> None:
+        super().__init__(model, params, name)
+        self.rows, self.row = rows, row
+
+    @torch.inference_mode()
+    def start(self, prompt_ids: list[int]) -> None:
+        self.rows.prefill(self.row, prompt_ids[:-1])
+        self.cached = len(prompt_ids) - 1
+
+    def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
+        return forward_batch(self.model, [Feed(self.row, tokens, start)])[0][-1]
 
 
 class EarlyExitDraft(_ForwardDraft):

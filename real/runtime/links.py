@@ -1,7 +1,8 @@
 """Typed messages between ranks, with the ``network=`` delay applied off the compute path.
 
 The mirror of ``sim/runtime/links.py``. A ``Message`` is a fixed header — kind, request id, round,
-version, committed length, send time, and per tensor its dtype and shape — plus up to
+version, committed length, send and arrival time, the request's KV-cache row, and per tensor its
+dtype and shape — plus up to
 ``MAX_TENSORS`` tensors (at most ``MAX_DIMS`` dimensions each). On the wire the header is one
 int64 tensor of ``testbed.links.HEADER_INTS`` fields, followed by the tensors.
 
@@ -55,7 +56,7 @@ MAX_TENSORS, MAX_DIMS = 4, 3
 NO_TIME = -(1 << 63)  # header value of an unset send time
 LEAD_PROBES, LEAD_GAP_S = 12, 0.008  # per emulated link when a channel is set up
 WAKEUP_WINDOW, MAX_WAKEUP_S = 64, 2e-3  # the sender thread's wake-up lateness estimate
-_FIXED = 8  # magic, kind, request, round, version, committed, sent_ns, n_tensors
+_FIXED = 10  # magic, kind, request, round, version, committed, sent_ns, n_tensors, row, arrival_ns
 assert _FIXED + MAX_TENSORS * (2 + MAX_DIMS) == HEADER_INTS
 DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16,
                                   4: torch.int32, 5: torch.int64, 6: torch.uint8, 7: torch.bool,
@@ -89,8 +90,12 @@ class Message:
     round: int = -1
     version: int = 0  # e.g. the tree version a batch was selected from
     committed: int = 0  # e.g. tokens committed to the output so far
+    row: int = 0  # the request's KV-cache row on every rank (0: the one-request row; under load 1..)
     tensors: tuple[torch.Tensor, ...] = ()
     sent_s: float = math.nan  # set by the transport: send time on the run clock
+    # set by the sender's thread when it hands the message over (``Transport._arrival``): its
+    # arrival on the run clock over an emulated link, which a busy receiver may take later
+    arrival_s: float = math.nan
 
     @property
     def payload_bytes(self) -> int:
@@ -102,7 +107,8 @@ def encode_header(msg: Message, *, inline: bool = True) -> torch.Tensor:
     if len(msg.tensors) > MAX_TENSORS:
         raise ValueError(f"a message carries at most {MAX_TENSORS} tensors, got {len(msg.tensors)}")
     h = [MAGIC if inline else MAGIC_SPLIT, int(msg.kind), msg.request_id, msg.round, msg.version, msg.committed,
-         round(msg.sent_s * 1e9) if math.isfinite(msg.sent_s) else NO_TIME, len(msg.tensors)]
+         round(msg.sent_s * 1e9) if math.isfinite(msg.sent_s) else NO_TIME, len(msg.tensors), msg.row,
+         round(msg.arrival_s * 1e9) if math.isfinite(msg.arrival_s) else NO_TIME]
     for t in msg.tensors:
         if t.dim() > MAX_DIMS or t.dtype not in CODES:
             raise ValueError(f"tensor of shape {tuple(t.shape)} and dtype {t.dtype}: at most "
@@ -123,7 +129,8 @@ def decode_header(h: torch.Tensor) -> tuple[Message, list[tuple[torch.dtype, tup
         code, ndim, *shape = v[_FIXED + i * (2 + MAX_DIMS): _FIXED + (i + 1) * (2 + MAX_DIMS)]
         specs.append((DTYPES[code], tuple(shape[:ndim])))
     sent = math.nan if v[6] == NO_TIME else v[6] * 1e-9
-    return Message(v[1], v[2], v[3], v[4], v[5], (), sent), specs, v[0] == MAGIC
+    arrival = math.nan if v[9] == NO_TIME else v[9] * 1e-9
+    return Message(v[1], v[2], v[3], v[4], v[5], v[8], (), sent, arrival), specs, v[0] == MAGIC
 
 
 @dataclass(order=True)
@@ -212,8 +219,11 @@ class Transport(ABC):
             who = self.describe(src) if src is not None else "a peer"
             raise LinkError(f"{self.describe(self.rank)} lost {who} on channel {self.channel}: "
                             f"{str(e).splitlines()[0][:200]}") from None
-        if self.rec is not None:
-            self.rec.span(self.link_name(got, self.rank), "link", msg.sent_s, self.clock(),
+        if self.rec is not None:  # the link's span ends at the arrival, not when a busy receiver took it
+            end = self.clock()
+            if math.isfinite(msg.arrival_s):
+                end = max(msg.sent_s, min(end, msg.arrival_s))
+            self.rec.span(self.link_name(got, self.rank), "link", msg.sent_s, end,
                           request_id=msg.request_id, round_idx=msg.round)
         return msg
 
@@ -262,6 +272,17 @@ class Transport(ABC):
             del self._wakeups[:-WAKEUP_WINDOW]
             self._wakeup_s = min(max(0.0, sorted(self._wakeups)[len(self._wakeups) // 2]), MAX_WAKEUP_S)
 
+    def _arrival(self, item: _Pending, slept: bool) -> float:
+        """When a message handed over now arrives, for its link span: the hand-over plus the
+        link's physical cost when the thread slept until it was due; its due time when it was
+        already due, i.e. the thread was still handing over earlier messages (a point-to-point
+        send completes only when the receiver takes it: a busy receiver, not the link, held it
+        back). Unknown (nan) on a link that is not emulated: its span ends at the receipt."""
+        key = (self.rank, item.dst)
+        if key not in self.delays:
+            return math.nan
+        return (self.clock() if slept else item.due_s) + self.lead_s.get(key, 0.0)
+
     def _release(self) -> None:
         """Sender thread: hand each message over at its arrival time, earliest first."""
         while True:
@@ -277,7 +298,7 @@ class Transport(ABC):
                 item = heapq.heappop(self._heap)
             self._learn_wakeup(item.due_s, slept)
             try:
-                self._put(item.msg, item.dst)
+                self._put(replace(item.msg, arrival_s=self._arrival(item, slept)), item.dst)
             except BaseException as e:  # reported to the caller on its next send/flush
                 self._error = e
             with self._cv:

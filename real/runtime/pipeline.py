@@ -15,6 +15,15 @@ target's features for an eagle draft), closing the loop across N links exactly a
 Every window carries the committed sequence length (``Message.committed``): a stage writes the
 window's K/V at slots ``committed-1 ..``, so the slots of tokens rejected in the previous round
 are simply overwritten — rolling back costs nothing on any stage (real/model/decoder.py's static cache).
+Every message also carries the request's KV-cache row (``Message.row``), which the first stage
+chose: 0 when requests are served one at a time; under load (real/runtime/pipelined.py) each
+request in flight has a row of its own on every stage, and a stage runs its layers on that row
+(real/model/batch.py). A row is reused only after the first stage has the request's last
+answer, when no message of it is left anywhere in the ring.
+
+The first stage's side of a request is a *flow*: a generator that yields each time it has sent
+a message and waits for the last stage's answer, which it is sent back (``run_alone`` serves one
+request so; real/runtime/pipelined.py interleaves several).
 
 Messages (``real.runtime.links.Message``, ``version`` = the phase: 0 the schedule, 1 its `ar` baseline):
 
@@ -39,12 +48,13 @@ and no guesses per traversal.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from real.model.batch import Feed, copy_prefix, layers_rows
 from real.model.decoder import Transformer
 from real.runtime.context import RealRequest, finish
 from real.runtime.links import Kind, LinkError, Message, Transport
@@ -54,6 +64,19 @@ SCHEDULE_PHASE, BASELINE_PHASE = 0, 1
 
 # The last stage's decision on a window: (logits [T, V], the window message) -> emitted tokens.
 Verify = Callable[[torch.Tensor, Message], list[int]]
+T = TypeVar("T")
+# The first stage's side of one request: yields after each send, is sent the answer, returns T.
+Flow = Generator[None, Message, T]
+
+
+def run_alone(stage: Stage, flow: Flow[T]) -> T:
+    """Serve one flow to its end, receiving each answer it waits for."""
+    try:
+        flow.send(None)  # type: ignore[arg-type]
+        while True:
+            flow.send(stage.recv())
+    except StopIteration as done:
+        return done.value
 
 
 class PipelineProtocolError(LinkError):
@@ -115,24 +138,32 @@ class Stage:
     def name(self) -> str:
         return f"stage{self.index}"
 
-    def compute(self, x: torch.Tensor, start: int, *, head: bool) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, start: int, *, head: bool, row: int = 0,
+                prefill: bool = False) -> torch.Tensor:
         """This stage's layers on ``x`` (token ids ``[1, T]`` on the first stage, hidden states
-        otherwise) written at slots ``start ..``; logits ``[T, V]`` when ``head`` (last stage)."""
+        otherwise) written at slots ``start ..`` of KV-cache row ``row``; logits ``[T, V]`` when
+        ``head`` (last stage). A prompt (``prefill``) of a row other than 0 is prefilled on row 0
+        as when served alone, then copied to its row."""
         m, (lo, hi) = self.model, self.layers
         h = m.embed(x) if self.first else x
-        h = m.forward_layers(h, start, lo=lo, hi=hi)
+        if row == 0 or prefill:
+            h = m.forward_layers(h, start, lo=lo, hi=hi)
+            if row:
+                copy_prefix(m, row, start + h.shape[1])
+        else:
+            h = layers_rows(m, h, [Feed(row, [0] * h.shape[1], start)], lo=lo, hi=hi)
         if hi == m.args.n_layers:  # kept for an eagle draft: its features (``features_of``)
             self.hidden = h
         return m.head(h)[0] if head else h
 
     def timed(self, x: torch.Tensor, start: int, *, head: bool, kind: str, phase: int,
-              request_id: int, round_idx: int) -> torch.Tensor:
+              request_id: int, round_idx: int, row: int = 0) -> torch.Tensor:
         """``compute``, recorded as a span of this stage and summed per (phase, prefill or not);
         an empty input (a one-token prompt has nothing to prefill) passes through."""
         if x.numel() == 0:
             return x
         s = self.now()
-        out = self.compute(x, start, head=head)
+        out = self.compute(x, start, head=head, row=row, prefill=kind == "prefill")
         e = self.now()
         self.rec.span(self.name, kind, s, e, request_id=request_id, round_idx=round_idx)
         key = (phase, 0 if kind == "prefill" else 1)
@@ -149,22 +180,23 @@ class Stage:
 
 
 # -------------------------------------------------------------------- the first stage
-def send_prompt(stage: Stage, prompt: list[int], request_id: int, phase: int) -> None:
-    """Feed ``prompt`` (the prompt but its last token) at slots 0.. and pass it on."""
+def send_prompt(stage: Stage, prompt: list[int], request_id: int, phase: int, row: int = 0) -> None:
+    """Feed ``prompt`` (the prompt but its last token) at slots 0.. of ``row`` and pass it on."""
     x = torch.tensor([prompt], device=stage.model.device)
-    h = stage.timed(x, 0, head=False, kind="prefill", phase=phase, request_id=request_id, round_idx=-1)
+    h = stage.timed(x, 0, head=False, kind="prefill", phase=phase, request_id=request_id, round_idx=-1,
+                    row=row)
     if stage.count > 1:
         stage.send(Message(Kind.ACTIVATIONS, request_id=request_id, round=-1, version=phase,
-                           committed=0, tensors=(h, torch.tensor(prompt, dtype=torch.int32))))
+                           committed=0, row=row, tensors=(h, torch.tensor(prompt, dtype=torch.int32))))
 
 
-def await_prompt(stage: Stage, request_id: int) -> tuple[float, torch.Tensor | None]:
+def await_prompt(stage: Stage, request_id: int) -> Flow[tuple[float, torch.Tensor | None]]:
     """The last stage's prefill end (run clock; the stage's own time on a one-stage pipeline)
     and the target's features of the fed prompt when the last stage sent them (an eagle draft;
     None on a one-stage pipeline: the draft reads them from this process's target)."""
     if stage.count == 1:
         return stage.now(), None
-    msg = stage.recv()
+    msg = yield
     if msg.kind != Kind.DATA or msg.request_id != request_id:
         raise PipelineProtocolError(f"stage0 expected the prefill acknowledgement of request "
                                     f"{request_id}, got kind {msg.kind} request {msg.request_id}")
@@ -184,7 +216,7 @@ def features_of(stage: Stage, rows: int) -> torch.Tensor:
 
 def traverse(stage: Stage, window: list[int], *, committed: int, request_id: int, round_idx: int,
              phase: int, dists: tuple[torch.Tensor, ...] = (), verify: Verify | None = None,
-             ) -> tuple[list[int], torch.Tensor | None]:
+             row: int = 0) -> Flow[tuple[list[int], torch.Tensor | None]]:
     """One round trip from the first stage: feed ``window`` at slots ``committed-1 ..``, send
     it down the pipeline with ``dists``, return the emitted tokens the last stage sends back
     (``verify`` decides here on a one-stage pipeline) and the target's features of the window's
@@ -192,18 +224,18 @@ def traverse(stage: Stage, window: list[int], *, committed: int, request_id: int
     draft reads them from this process's target)."""
     tokens = torch.tensor(window, dtype=torch.int32)
     msg = Message(Kind.ACTIVATIONS, request_id=request_id, round=round_idx, version=phase,
-                  committed=committed, tensors=(torch.empty(0), tokens, *dists))
+                  committed=committed, row=row, tensors=(torch.empty(0), tokens, *dists))
     x = tokens.long().view(1, -1).to(stage.model.device)
     kind = "decode" if phase == BASELINE_PHASE else "verify"
     if stage.count == 1:
         assert verify is not None
         logits = stage.timed(x, committed - 1, head=True, kind=kind, phase=phase,
-                             request_id=request_id, round_idx=round_idx)
+                             request_id=request_id, round_idx=round_idx, row=row)
         return verify(logits, msg), None
     h = stage.timed(x, committed - 1, head=False, kind=kind, phase=phase, request_id=request_id,
-                    round_idx=round_idx)
+                    round_idx=round_idx, row=row)
     stage.send(replace(msg, tensors=(h, tokens, *dists)))
-    got = stage.recv()
+    got = yield
     emitted = got.tensors[0].tolist() if got.tensors else []
     features = got.tensors[1] if len(got.tensors) > 1 else None
     if (got.kind != Kind.VERIFIED or got.request_id != request_id or got.round != round_idx
@@ -227,9 +259,10 @@ def stop(stage: Stage) -> None:
 def stage_worker(stage: Stage, make_verify: Callable[[Message], Verify]) -> int:
     """A stage after the first: run its layers on every window until STOP; the last stage
     verifies (``make_verify(prompt message)`` gives the request's verifier) and answers the
-    first. Returns the number of windows served."""
+    first. Returns the number of windows served. Windows of several requests may interleave
+    (real/runtime/pipelined.py): each is run on its request's row and verified by its verifier."""
     served = 0
-    verify: Verify | None = None
+    verifiers: dict[tuple[int, int], Verify] = {}  # (phase, request) -> its verifier
     while True:
         msg = stage.recv()
         if msg.kind == Kind.STOP:
@@ -242,45 +275,54 @@ def stage_worker(stage: Stage, make_verify: Callable[[Message], Verify]) -> int:
         kind = "prefill" if prompt else ("decode" if msg.version == BASELINE_PHASE else "verify")
         start = 0 if prompt else msg.committed - 1
         out = stage.timed(h, start, head=stage.last and not prompt, kind=kind, phase=msg.version,
-                          request_id=msg.request_id, round_idx=msg.round)
+                          request_id=msg.request_id, round_idx=msg.round, row=msg.row)
         served += 1
         # an eagle draft's features ride back with the answer (not to the `ar` baseline's windows)
         feats = stage.features and msg.version == SCHEDULE_PHASE
         if not stage.last:
             stage.send(replace(msg, tensors=(out, *msg.tensors[1:])))
         elif prompt:
-            verify = make_verify(msg)
+            verifiers[(msg.version, msg.request_id)] = make_verify(msg)
             end = torch.tensor([stage.now()], dtype=torch.float64)
             fed = features_of(stage, msg.tensors[1].numel()) if feats else None
             stage.send(Message(Kind.DATA, request_id=msg.request_id, round=-1, version=msg.version,
-                               tensors=(end,) if fed is None else (end, fed)))
+                               row=msg.row, tensors=(end,) if fed is None else (end, fed)))
         else:
-            assert verify is not None
+            verify = verifiers.get((msg.version, msg.request_id))
+            if verify is None:
+                raise PipelineProtocolError(f"{stage.name} got a window of request {msg.request_id} "
+                                            "before its prompt")
             emitted = verify(out, msg)
             tokens = torch.tensor(emitted, dtype=torch.int32)
             tensors = (tokens, features_of(stage, len(emitted))) if feats else (tokens,)
             stage.send(Message(Kind.VERIFIED, request_id=msg.request_id, round=msg.round,
                                version=msg.version, committed=msg.committed + len(emitted),
-                               tensors=tensors))
+                               row=msg.row, tensors=tensors))
 
 
 # ------------------------------------------------------------------------- `ar` on it
 def ar_pipeline(stage: Stage, req: RealRequest, eos: frozenset[int], verify: Verify | None,
                 *, rec: RunRecorder, phase: int = BASELINE_PHASE) -> list[int]:
+    """`ar` over the pipeline for one request served alone (``ar_flow``)."""
+    return run_alone(stage, ar_flow(stage, req, eos, verify, rec=rec, phase=phase))
+
+
+def ar_flow(stage: Stage, req: RealRequest, eos: frozenset[int], verify: Verify | None,
+            *, rec: RunRecorder, phase: int = BASELINE_PHASE, row: int = 0) -> Flow[list[int]]:
     """`ar` over the pipeline, first stage's side: every token is one round trip (a window of
     the last token, no guesses). Records rounds and the request in ``rec``."""
     rid, now = req.request_id, stage.now
     ids = list(req.prompt_ids)
     t0 = now()
-    send_prompt(stage, ids[:-1], rid, phase)
-    prefill_end, _ = await_prompt(stage, rid)
+    send_prompt(stage, ids[:-1], rid, phase, row)
+    prefill_end, _ = yield from await_prompt(stage, rid)
     start = now()
     out: list[int] = []
     done, i = False, 0
     while not done:
         s = now()
-        emitted, _ = traverse(stage, [ids[-1]], committed=len(ids), request_id=rid, round_idx=i,
-                              phase=phase, verify=verify)
+        emitted, _ = yield from traverse(stage, [ids[-1]], committed=len(ids), request_id=rid,
+                                         round_idx=i, phase=phase, verify=verify, row=row)
         e = now()
         ids.extend(emitted)
         out, done = finish(out, emitted, req.max_new_tokens, eos)

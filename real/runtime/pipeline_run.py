@@ -4,10 +4,12 @@ process per node of the ``pipeline`` placement (testbed.placement), joined in a 
 
 ``run_pipeline(exp, placement)`` launches ``pipeline_rank`` on every rank. Each loads the target, caches only
 its own layers, and serves: the first stage drives the requests (real/schedules/decentralized.py
-``dsd_first_stage``, or real/runtime/pipeline.py ``ar_pipeline``), the others run ``stage_worker``. As in
+``dsd_flow``, or real/runtime/pipeline.py ``ar_flow``), the others run ``stage_worker``. As in
 the simulator, ``speedup`` compares against `ar` over the *same* pipeline: after the schedule's
-requests the first stage serves them again with ``ar_pipeline`` (phase 1; its records are the
-baseline's, its spans stay out of the timeline).
+requests the first stage serves them again with ``ar_flow`` (phase 1; its records are the
+baseline's, its spans stay out of the timeline). Under load (``workload.arrival``, more than one
+request in flight) both are served with several requests in flight, each on a KV-cache row of
+its own on every stage (real/runtime/pipelined.py), the baseline at the same load.
 
 Quality of τ > 0 (summary): ``target_nll_per_token`` (the target's NLL of the emitted tokens from
 the last stage's verification logits; ``baseline_nll_per_token`` for `ar`), and, against a
@@ -34,7 +36,8 @@ from real.runtime.pipeline import (
     BASELINE_PHASE,
     SCHEDULE_PHASE,
     Stage,
-    ar_pipeline,
+    ar_flow,
+    run_alone,
     stage_worker,
     stop,
     summary_fields,
@@ -47,6 +50,7 @@ from real.schedules.decentralized import (
     make_verifier,
     sends_dists,
 )
+from testbed.arrivals import under_load
 from testbed.config import ExperimentConfig, real_dtype
 from testbed.metrics import divergence
 from testbed.placement import Placement
@@ -85,6 +89,7 @@ def check(exp: ExperimentConfig) -> None:
 
 def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: real.runtime.worker.WorkerContext
     """One stage process (module level: spawned workers import it)."""
+    from real.runtime.batching import batch_rows
     from real.runtime.engine import cache_slots
     from real.runtime.loading import build_requests, load, make_draft, model_device
 
@@ -107,7 +112,13 @@ def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: r
         slots, draft_slots = cache_slots(exp, requests)
         layers = stages[index].layers
         assert layers is not None
-        target.setup_cache(max(slots, PROBE_CONTEXT + 2), layers=layers)
+        # under load a KV-cache row per request in flight, after the prefill row 0
+        rows = batch_rows(exp, len(requests)) if under_load(exp.workload) else 0
+        if rows:
+            from testbed.admission import refuse_oversized
+
+            refuse_oversized(exp, requests)  # every stage, before any waits on another
+        target.setup_cache(max(slots, PROBE_CONTEXT + 2), max_batch=rows + 1, layers=layers)
         stage = Stage(target, layers, index, count,
                       ctx.transport_from(names[index - 1]) if count > 1 else None,
                       ctx.transport_to(names[(index + 1) % count]) if count > 1 else None,
@@ -128,8 +139,9 @@ def pipeline_rank(ctx) -> StageServed:  # type: ignore[no-untyped-def]  # ctx: r
             dist.barrier()
         served.extra["probe_stage"] = _probe_stages(stage, params)
         if index == 0:
-            _first_stage(stage, exp, served=served, requests=requests, tokenizer=tokenizer, target=target, params=params, draft_slots=draft_slots,
-                         make_verify=make_verify, make_draft=make_draft)
+            _first_stage(stage, exp, served=served, requests=requests, tokenizer=tokenizer, target=target,
+                         params=params, draft_slots=draft_slots, rows=rows, make_verify=make_verify,
+                         make_draft=make_draft)
         else:
             stage_worker(stage, make_verify)
         served.compute_s = dict(stage.compute_s)
@@ -172,7 +184,8 @@ def _probe_stages(stage: Stage, params: SamplingParams) -> dict[str, float]:
 
 
 def _first_stage(stage: Stage, exp: ExperimentConfig, *, served: StageServed, requests, tokenizer,  # type: ignore[no-untyped-def]
-                 target, params: SamplingParams, draft_slots: int, make_verify, make_draft) -> None:
+                 target, params: SamplingParams, draft_slots: int, rows: int, make_verify, make_draft) -> None:
+    """Serve the requests (alone, or ``rows`` > 0: several in flight), then the `ar` baseline."""
     from real.errors import RealSetupError as _Err
     from real.model.drafts import ModelDraft
 
@@ -185,6 +198,13 @@ def _first_stage(stage: Stage, exp: ExperimentConfig, *, served: StageServed, re
         from real.runtime.links import Kind, Message
 
         return make_verify(Message(Kind.ACTIVATIONS, request_id=req.request_id, version=phase))
+
+    def serve(flow_of, rec) -> list[list[int]]:  # type: ignore[no-untyped-def]
+        if not rows:
+            return [run_alone(stage, flow_of(req, 0)) for req in requests]
+        from real.runtime.pipelined import serve_pipelined
+
+        return serve_pipelined(stage, exp, requests, flow_of, rec=rec, rows=rows)
 
     telemetry = Telemetry(exp.real.device)
     with telemetry:
@@ -201,21 +221,41 @@ def _first_stage(stage: Stage, exp: ExperimentConfig, *, served: StageServed, re
             probe.take()
             served.extra.update(probe.fields())
             send = sends_dists(params, draft)
-            first_stage = get_schedule(schedule_impl(exp))  # its pipeline entry (real/schedules)
-            for req in requests:
-                served.outputs.append(first_stage(stage, draft, req, eos, exp=exp, rec=stage.rec,
-                                                  send_dists=send, verify=verify_for(req, SCHEDULE_PHASE)))
+            first_stage = get_schedule(schedule_impl(exp))  # its pipeline flow (real/schedules)
+            draft_of = _request_drafts(draft, rows, draft_slots)
+            served.outputs = serve(lambda req, row: first_stage(
+                stage, draft_of(row), req, eos, exp=exp, rec=stage.rec, send_dists=send,
+                verify=verify_for(req, SCHEDULE_PHASE), row=row), stage.rec)
         else:
-            for req in requests:
-                served.outputs.append(ar_pipeline(stage, req, eos, verify_for(req, SCHEDULE_PHASE),
-                                                  rec=stage.rec, phase=SCHEDULE_PHASE))
+            served.outputs = serve(lambda req, row: ar_flow(stage, req, eos, verify_for(req, SCHEDULE_PHASE),
+                                                            rec=stage.rec, phase=SCHEDULE_PHASE, row=row), stage.rec)
     served.telemetry, served.telemetry_summary = telemetry.frame(), telemetry.summary()
     served.schedule_end_s = stage.now()
     if spec_of(exp).drafts and exp.real.baseline:
-        served.baseline = RunRecorder(keep_spans=False)
-        for req in requests:
-            ar_pipeline(stage, req, eos, verify_for(req, BASELINE_PHASE), rec=served.baseline)
+        served.baseline = base = RunRecorder(keep_spans=False)
+        serve(lambda req, row: ar_flow(stage, req, eos, verify_for(req, BASELINE_PHASE), rec=base, row=row), base)
     stop(stage)
+
+
+def _request_drafts(draft, rows: int, slots: int):  # type: ignore[no-untyped-def]
+    """Each request's draft state by its row: the one draft served alone (row 0); under load a
+    draft model's own KV-cache row per request, a lookup's own state (real/model/drafts.py)."""
+    from real.model.batch import CacheRows
+    from real.model.drafts import ModelDraft, NgramDraft, RowModelDraft
+
+    if not rows:
+        return lambda row: draft
+    if isinstance(draft, ModelDraft):
+        cache = CacheRows(draft.model, rows, slots)
+
+        def row_draft(row: int) -> RowModelDraft:
+            mine = RowModelDraft(draft.model, draft.params, draft.name, rows=cache, row=row)
+            mine.record_features = draft.record_features
+            return mine
+        return row_draft
+    if isinstance(draft, NgramDraft):
+        return lambda row: NgramDraft(draft.ngram, draft.vocab)
+    raise RealSetupError(f"draft {draft.name} cannot serve requests in flight on a pipeline")  # config_validate refuses it
 
 
 def _nll_per_token(stages: list[StageServed], phase: int, outputs: list[list[int]]) -> float | None:

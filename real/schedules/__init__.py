@@ -9,8 +9,10 @@ runner calls it (real/runtime/layouts.py):
 - ``single`` and ``tree``: a function ``(ctx: RealContext, req: RealRequest) -> None`` from
   prefill to the last token (every rank of an SPMD group runs it on its shard);
 - ``two_groups``: a ``TwoGroups`` — each group's half and its probes (real/runtime/async_run.py);
-- ``pipeline``: the first stage's function for one request (real/runtime/pipeline_run.py; the other
-  stages only forward activations). `ar` over a pipeline is the runner's own loop.
+- ``pipeline``: the first stage's *flow* for one request, a generator that yields whenever it
+  waits for the last stage's answer (real/runtime/pipeline.py; served alone or several in flight
+  by real/runtime/pipeline_run.py; the other stages only forward activations). `ar` over a
+  pipeline is the runner's own flow.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class TwoGroups:
 
 
 OneProcess = Callable[[RealContext, RealRequest], None]  # the single and tree layouts' entries
-Schedule = Any  # a OneProcess, a TwoGroups or a pipeline's first-stage function
+Schedule = Any  # a OneProcess, a TwoGroups or a pipeline's first-stage flow
 REGISTRY: Registry[Schedule] = implementation_registry("real")
 register = REGISTRY.register
 get_schedule = REGISTRY.get

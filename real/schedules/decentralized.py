@@ -49,10 +49,12 @@ from real.runtime.context import RealRequest, finish
 from real.runtime.links import Message
 from real.runtime.pipeline import (
     SCHEDULE_PHASE,
+    Flow,
     Stage,
     Verify,
     await_prompt,
     pack_dists,
+    run_alone,
     send_prompt,
     traverse,
     unpack_dists,
@@ -126,20 +128,29 @@ def dsd_first_stage(stage: Stage, draft: Draft, req: RealRequest, eos: frozenset
                     exp, rec: RunRecorder, send_dists: bool,  # type: ignore[no-untyped-def]
                     verify: Verify | None = None,
                     on_tokens: Callable[[int], None] = lambda n: None) -> list[int]:
-    """DSD, first stage's side, for one request: draft a window, send it round the pipeline,
-    take the verified tokens back; records the rounds and the request (the simulator's
-    ``decentralized`` records the same)."""
+    """DSD for one request served alone (``dsd_flow``)."""
+    return run_alone(stage, dsd_flow(stage, draft, req, eos, exp=exp, rec=rec, send_dists=send_dists,
+                                     verify=verify, on_tokens=on_tokens))
+
+
+def dsd_flow(stage: Stage, draft: Draft, req: RealRequest, eos: frozenset[int], *,
+             exp, rec: RunRecorder, send_dists: bool,  # type: ignore[no-untyped-def]
+             verify: Verify | None = None, on_tokens: Callable[[int], None] = lambda n: None,
+             row: int = 0) -> Flow[list[int]]:
+    """DSD, first stage's side, for one request on KV-cache row ``row`` (``draft``: its own
+    draft state): draft a window, send it round the pipeline, take the verified tokens back;
+    records the rounds and the request (the simulator's ``decentralized`` records the same)."""
     rid, now = req.request_id, stage.now
     policy = make_lookahead(exp.lookahead.policy, exp.schedule.gamma)
     gen = stream(exp.seed, rid, DRAFT_SALT)
     ids = list(req.prompt_ids)
     t0 = now()
-    send_prompt(stage, ids[:-1], rid, SCHEDULE_PHASE)
+    send_prompt(stage, ids[:-1], rid, SCHEDULE_PHASE, row)
     if not isinstance(draft, EagleDraft):  # an eagle head waits for the prompt's features
         s = now()
         draft.start(ids)  # overlaps the other stages' prefill
         rec.span("draft", "prefill", s, now(), request_id=rid)
-    prefill_end, features = await_prompt(stage, rid)
+    prefill_end, features = yield from await_prompt(stage, rid)
     if isinstance(draft, EagleDraft):
         s = now()
         draft.start(ids, features=features)  # the prompt's features: after the acknowledgement
@@ -154,8 +165,9 @@ def dsd_first_stage(stage: Stage, draft: Draft, req: RealRequest, eos: frozenset
         guesses, q = draft.propose(ids, gamma, gen)
         m = now()
         dists = pack_dists(q, exp.schedule.draft_topk) if send_dists and guesses else ()
-        emitted, features = traverse(stage, [ids[-1], *guesses], committed=len(ids), request_id=rid,
-                                     round_idx=r, phase=SCHEDULE_PHASE, dists=dists, verify=verify)
+        emitted, features = yield from traverse(stage, [ids[-1], *guesses], committed=len(ids),
+                                                request_id=rid, round_idx=r, phase=SCHEDULE_PHASE,
+                                                dists=dists, verify=verify, row=row)
         e = now()
         n, k = len(emitted) - 1, len(guesses)
         ids.extend(emitted)
@@ -194,6 +206,6 @@ def alpha_from_tokens(tokens_per_round: float, gamma: int) -> float:
     return (lo + hi) / 2
 
 
-# the registry's entry: the first stage's side of one request, run by the pipeline layout's
+# the registry's entry: the first stage's flow of one request, run by the pipeline layout's
 # runner (real/runtime/pipeline_run.py)
-register("decentralized", dsd_first_stage)
+register("decentralized", dsd_flow)

@@ -94,6 +94,7 @@ class ProfileCost(CostModel):
         self.gamma = max(1, exp.schedule.gamma)
         self.names = {"target": exp.pair.target.name, "draft": exp.pair.draft.name}
         self.kinds = {"target": exp.pair.target.kind, "draft": exp.pair.draft.kind}
+        self.configs = {"target": exp.pair.target, "draft": exp.pair.draft}
         self._forward: dict[str, Table2D | Table1D] = {}
         self._accept: Table1D | None = None
         self._pick = 0.0
@@ -320,6 +321,7 @@ class ProfileCost(CostModel):
     def _forward_unscaled(self, role: Role, tokens: int, *, context: int,
                           layers: tuple[int, int] | None, shape: str = "chain", alone: bool = False) -> float:
         table = self._forward[role]
+        decide = 0.0  # the target's accept or pick: on the last stage, which verifies
         if isinstance(table, Table1D) and shape == "tree" and self._tree_expand is not None:
             t = 0.0  # an n-gram tree expansion is timed whole, lookups included (tree_expand_extra)
         elif isinstance(table, Table1D):  # n-gram lookup: one per round, spread over γ calls
@@ -336,16 +338,17 @@ class ProfileCost(CostModel):
             if not alone:
                 t *= self.contention_factor(role, tokens)
             if role == "target":
-                t += self._pick if self._accept is None else self._accept(tokens)
+                decide = self._pick if self._accept is None else self._accept(tokens)
         n_layers = hi = 0
-        if layers is not None:
+        if layers is not None:  # a pipeline stage: its share of the weights (the head on the last)
             lo, hi = layers
             n_layers = max(1, self.profile["models"][self.names[role]].get("layers", hi - lo))
-            t *= (hi - lo) / n_layers
+            cfg = self.configs[role]
+            t *= cfg.stage_share(lo, hi) if cfg.layers == n_layers else (hi - lo) / n_layers
         if layers is None or hi >= n_layers:  # the last stage standardizes: one distribution
             # per verified position / drafted token (a tree expansion drafts from each node)
             per_forward = tokens if role == "target" or shape == "tree" else 1
-            t += per_forward * self.sampling_extra_s.get(role, 0.0)
+            t += decide + per_forward * self.sampling_extra_s.get(role, 0.0)
         return t
 
     def prefill(self, role: Role, prompt_len: int) -> float:

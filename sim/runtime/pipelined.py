@@ -24,7 +24,7 @@ from typing import Any
 
 from sim.runtime.batching import send_requests
 from sim.runtime.context import SimContext, SimRequest
-from testbed.admission import Admission
+from testbed.admission import Admission, mark_load
 
 
 def serve_pipelined(ctx: SimContext, requests: list[SimRequest], schedule: Callable[..., Any], *,
@@ -49,7 +49,7 @@ def serve_pipelined(ctx: SimContext, requests: list[SimRequest], schedule: Calla
     def one(req: SimRequest, arrival: float) -> Generator[Any, Any, None]:
         admit, first_round = env.now, len(rec.rounds)
         yield env.process(schedule(ctx, req))
-        _mark_load(rec, req.request_id, arrival=arrival, admit=admit, finish=env.now, rounds_from=first_round)
+        mark_load(rec, req.request_id, arrival=arrival, admit=admit, finish=env.now, rounds_from=first_round)
         queue.release(req)
         state["in_flight"] -= 1
         state["finished"] += 1
@@ -63,12 +63,3 @@ def serve_pipelined(ctx: SimContext, requests: list[SimRequest], schedule: Calla
     if requests:
         yield all_done
 
-
-def _mark_load(rec: Any, request_id: int, *, arrival: float, admit: float, finish: float,
-               rounds_from: int) -> None:
-    """Add the load fields to the request's row, which its schedule recorded as when served
-    alone: arrival, queueing, its first round's end (its first token) and its finish. Its rounds
-    are recorded from index ``rounds_from`` on (its admission)."""
-    first = next((r[3] for r in rec.rounds[rounds_from:] if r[0] == request_id), float("nan"))
-    row = next(r for r in reversed(rec.requests) if r["request_id"] == request_id)
-    row.update(arrival_s=arrival, queue_s=admit - arrival, first_token_s=first, finish_s=finish)

@@ -23,12 +23,13 @@ from testbed.recorder import RunRecorder
 
 
 def test_header_round_trip_keeps_fields_dtypes_and_shapes() -> None:
-    msg = Message(Kind.TREE, request_id=3, round=7, version=2, committed=41, sent_s=1.5,
+    msg = Message(Kind.TREE, request_id=3, round=7, version=2, committed=41, row=5, sent_s=1.5,
+                  arrival_s=1.75,
                   tensors=(torch.zeros(5, 3, dtype=torch.int32), torch.ones(5, 10), torch.tensor(2)))
     back, specs, inline = decode_header(encode_header(msg))
     assert inline
-    assert (back.kind, back.request_id, back.round, back.version, back.committed) == (2, 3, 7, 2, 41)
-    assert back.sent_s == pytest.approx(1.5)
+    assert (back.kind, back.request_id, back.round, back.version, back.committed, back.row) == (2, 3, 7, 2, 41, 5)
+    assert back.sent_s == pytest.approx(1.5) and back.arrival_s == pytest.approx(1.75)
     assert specs == [(torch.int32, (5, 3)), (torch.float32, (5, 10)), (torch.int64, ())]
     with pytest.raises(ValueError, match="at most"):
         encode_header(Message(Kind.DATA, tensors=(torch.zeros(1, 1, 1, 1),)))
@@ -53,6 +54,24 @@ def test_loopback_delivers_in_order_copies_and_records_spans() -> None:
     with pytest.raises(LinkTimeout, match=r"rank 0 \(target\) got no message from rank 1 \(draft\) on "
                                           r"channel bridge:draft<->target within 0.05 s"):
         ends[0].recv(timeout_s=0.05)
+    for e in ends.values():
+        e.close()
+
+
+def test_a_link_span_ends_at_the_arrival_when_the_receiver_takes_the_message_later() -> None:
+    """Under load a stage may be busy when a message arrives: the link's span is the link's
+    (send to arrival), the wait for the receiver is not charged to it."""
+    rec = RunRecorder()
+    model = LinkModel("link stage0->stage1", 0.010)
+    spec = LinkSpec(model.name, "stage0", "stage1", model, True)
+    ends = LoopbackTransport.connect("stage:stage0->stage1", (0, 1), links={(0, 1): spec}, rec=rec)
+    ends[0].send(Message(Kind.ACTIVATIONS, round=0, tensors=(torch.zeros(4),)))
+    time.sleep(0.060)  # the receiver is busy for 60 ms; the message arrived after ~10
+    got = ends[1].recv()
+    spans = rec.frames()[2]
+    assert len(spans) == 1
+    took = float(spans.end_s.iloc[0] - spans.start_s.iloc[0])
+    assert 0.009 <= took < 0.040 and got.arrival_s - got.sent_s == pytest.approx(took)
     for e in ends.values():
         e.close()
 

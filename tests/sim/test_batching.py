@@ -139,8 +139,8 @@ def test_a_request_larger_than_the_kv_budget_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("overrides", "says"), [
-    (("backend=real", "schedule=decentralized", "placement.nodes=2", "workload.concurrency=2"),
-     "a pipeline over nodes serves one request at a time there"),
+    (("backend=real", "schedule=decentralized", "placement.nodes=1", "workload.concurrency=2"),
+     "a one-node pipeline serves one request at a time"),
     (("backend=real", "schedule=async", "pair=smollm2_135m+ngram3", "workload.concurrency=2"),
      "transformer under load (workload.arrival=closed with workload.concurrency=2) with async's token trees"),
     (("backend=real", "workload.concurrency=2", "placement.target_gpus=2"), "the batched rounds run one process per group"),

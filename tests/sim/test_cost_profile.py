@@ -87,6 +87,19 @@ def test_ngram_lookup_is_spread_over_the_rounds_forwards() -> None:
     assert c.forward("draft", 1, 256) == pytest.approx(2e-5 / 4)
 
 
+def test_a_pipeline_stage_costs_its_share_of_the_weights_the_last_the_lm_head() -> None:
+    """Two stages of the 30-layer target: together the whole forward's layers and head; the last
+    stage, which also reads the LM head (a fifth of SmolLM2-135M's weights), costs more."""
+    c = cost("schedule=decentralized", "placement.nodes=2")
+    whole = c.forward("target", 4, 256)
+    first = c.forward("target", 4, 256, layers=(0, 15))
+    last = c.forward("target", 4, 256, layers=(15, 30))
+    assert first + last == pytest.approx(whole, rel=1e-12)
+    accept = 3e-4  # Algorithm 1 over 4 tokens: on the last stage only
+    assert first / (whole - accept) == pytest.approx(0.3947, abs=1e-4)  # 39.5 % of the weights
+    assert (last - accept) / (whole - accept) == pytest.approx(0.6053, abs=1e-4)
+
+
 def test_interp_extrapolates_linearly() -> None:
     assert interp1(3.0, [1.0, 2.0], [10.0, 20.0]) == pytest.approx(30.0)
     assert interp1(0.0, [1.0, 2.0], [10.0, 20.0]) == pytest.approx(0.0)
