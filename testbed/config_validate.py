@@ -17,6 +17,7 @@ from testbed.config import (
 )
 from testbed.schedules import (
     PIPELINE,
+    SINGLE,
     TWO_GROUPS,
     names_where,
     schedule_names,
@@ -141,8 +142,8 @@ REAL_MAX_BATCH = 64  # KV-cache rows a real run allocates at most (real/model/ba
 
 
 def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type: ignore[no-untyped-def]
-    """What real/runtime/batching.py serves: `ar`, the chain of `sync` (a draft model, early exit
-    or prompt lookup) and the serial tree (a draft model), in one process;
+    """What real/runtime/batching.py serves: `ar`, the chain of `sync` (a draft model, early exit,
+    an eagle head or prompt lookup) and the serial tree (a draft model), in one process;
     real/runtime/batching_async.py: `async` with a draft model, one device per group; and
     real/runtime/pipelined.py: `decentralized` (a draft model or prompt lookup) and `ar` over a
     pipeline of two nodes or more."""
@@ -154,9 +155,10 @@ def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type
     if (spec.tree or exp.schedule.tree) and kind != "transformer":
         raise ConfigError("pair.draft.kind", kind, f"transformer under load ({load}) with {spec.name}'s token "
                           "trees on backend=real: the batched trees grow on a draft model's own KV-cache rows")
-    if spec.drafts and kind == "eagle":
-        raise ConfigError("pair.draft.kind", kind, f"transformer, early_exit or ngram under load ({load}) on "
-                          "backend=real: the batched rounds do not hand the target's features to a head")
+    if spec.drafts and kind == "eagle" and (spec.layout != SINGLE or spec.tree or exp.schedule.tree):
+        raise ConfigError("pair.draft.kind", kind, f"transformer or ngram under load ({load}) with "
+                          f"{spec.name}{' schedule.tree=true' if exp.schedule.tree else ''} on backend=real: "
+                          "an eagle head serves the sync chain's batched rounds only (schedule=sync)")
     if spec.drafts and exp.lookahead.policy == "oracle":
         raise ConfigError("lookahead.policy", "oracle", f"another policy under load ({load}) on backend=real: "
                           "the oracle's untimed reference continuation cannot run beside the wall clock")

@@ -107,6 +107,14 @@ def forward_batch(model: Transformer, feeds: list[Feed], *, layers: int | None =
     per group of at most ``kernels.native.MAX_TOKENS`` rows. ``layers``: only the first that many
     layers, then the final norm and LM head (the early-exit draft, which writes the same K/V as
     the full model in those layers of the request's row)."""
+    return forward_batch_features(model, feeds, layers=layers)[0]
+
+
+@torch.inference_mode()
+def forward_batch_features(model: Transformer, feeds: list[Feed], *,
+                           layers: int | None = None) -> tuple[list[Tensor], list[Tensor]]:
+    """``forward_batch``'s logits, and every feed's features ``[T_i, dim]``: the last layer's
+    output before the final norm, what an eagle head reads (``Transformer.last_hidden``)."""
     sizes = [len(f.tokens) for f in feeds]
     if not feeds or min(sizes) < 1:
         raise ValueError("a batched forward needs at least one token per feed")
@@ -122,7 +130,7 @@ def forward_batch(model: Transformer, feeds: list[Feed], *, layers: int | None =
         hidden.append(_layers(model, group, layers or model.args.n_layers))
     h = torch.cat(hidden, dim=1)
     logits = model.head(h)[0]
-    return list(logits.split(sizes))
+    return list(logits.split(sizes)), list(h[0].split(sizes))
 
 
 def _groups(feeds: list[Feed], max_rows: int) -> list[list[Feed]]:

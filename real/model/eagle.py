@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 import kernels
 from real.errors import RealSetupError
+from real.model.batch import CacheRows, Feed, layers_rows
 from real.model.decoder import ModelArgs, Transformer
 from real.model.drafts import _ForwardDraft
 from real.model.runners import TargetRunner
@@ -209,18 +210,69 @@ class EagleDraft(_ForwardDraft):
                                f"a tensor of shape {tuple(features.shape)}")
         self.take_features(start, features)
 
-    def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
+    def pair_features(self, tokens: list[int], start: int) -> Tensor:
+        """The features of the pairs that feed ``tokens`` at slots ``start..`` ``[n, dim]``: the
+        target's where it has computed them, else (one token) the head's last prediction."""
         n = len(tokens)
         if start - 1 + n <= self.known:  # every pair's feature is the target's
-            feats = self.features[start - 1: start - 1 + n]
-        elif n == 1 and self._last is not None and start - 1 == self._last_index:
-            feats = self._last[None]
-        else:
-            raise RuntimeError(f"eagle: no feature for pair {start} (target's up to {self.known})")
+            return self.features[start - 1: start - 1 + n]
+        if n == 1 and self._last is not None and start - 1 == self._last_index:
+            return self._last[None]
+        raise RuntimeError(f"eagle: no feature for pair {start} (target's up to {self.known})")
+
+    def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
+        n = len(tokens)
         x = torch.tensor([tokens], device=self.target.device)
-        f = self.head(self.target, x, feats[None], start)
+        f = self.head(self.target, x, self.pair_features(tokens, start)[None], start)
         self._last, self._last_index = f[0, -1], start + n - 1
         return self.target.head(f[:, -1:])[0, -1]
+
+
+class RowEagleDraft(EagleDraft):
+    """An eagle head's state for one of several requests served in batched rounds
+    (real/runtime/batching.py): the request's own row of the head's KV cache (``rows``) and its
+    own features; the head and the target are shared. Its steps run with the other requests'
+    (``eagle_rows_logits``) and compute what the one-request head computes (real/model/batch.py:
+    a row computes the same whatever shares the call)."""
+
+    def __init__(self, head: EagleHead, target: Transformer, params: SamplingParams, name: str, *,
+                 rows: CacheRows, row: int) -> None:
+        super().__init__(head, target, params, name)
+        self.rows, self.row = rows, row
+
+    @torch.inference_mode()
+    def start(self, prompt_ids: list[int], *, features: Tensor | None = None) -> None:
+        """After the target's prefill of ``prompt_ids[:-1]`` (its features are its last forward's)."""
+        if len(prompt_ids) < 2:
+            raise RealSetupError("an eagle draft needs prompts of at least 2 tokens (it reads the "
+                                 "target's feature of the token before the last)")
+        self._handed(0, len(prompt_ids) - 1, features)
+        self.cached, self._last, self._last_index = 1, None, -1
+
+    def _logits(self, tokens: list[int], start: int) -> torch.Tensor:
+        return eagle_rows_logits([(self, tokens, start)])[0]
+
+
+@torch.inference_mode()
+def eagle_rows_logits(steps: list[tuple[RowEagleDraft, list[int], int]]) -> list[Tensor]:
+    """One head forward for several requests at once, each ``(draft, tokens, first slot)`` on its
+    own row: the fc over every pair, the head's layer over the rows of all (attention per row,
+    slot 0 never attended, as ``EagleHead.forward``), and the LM head over each request's last
+    prediction (one read of its weights for the batch). The fp32 logits ``[V]`` of each."""
+    head, target = steps[0][0].head, steps[0][0].target
+    dev = target.device
+    tokens = torch.tensor([[t for _, toks, _ in steps for t in toks]], device=dev)
+    feats = torch.cat([d.pair_features(toks, s) for d, toks, s in steps])[None]
+    feeds = []
+    for d, toks, s in steps:
+        cols, rows = torch.arange(s + len(toks)), torch.arange(s, s + len(toks))
+        feeds.append(Feed(d.row, toks, s, mask=(cols[None, :] <= rows[:, None]) & (cols[None, :] >= 1)))
+    h = layers_rows(head.body, head.inputs(target, tokens, feats), feeds, lo=0, hi=1)
+    ends = torch.tensor([len(t) for _, t, _ in steps]).cumsum(0) - 1
+    last = h[0, ends.to(dev)]  # [n, dim]
+    for (d, toks, s), f in zip(steps, last):
+        d._last, d._last_index = f, s + len(toks) - 1
+    return list(target.head(last[None])[0])
 
 
 # ------------------------------------------------------------------------------ evaluation

@@ -14,9 +14,11 @@ the other (the batch waits), then one round serves every running request:
 - ``ar``: one target forward over every request's next token;
 - ``sync``: each request's lookahead policy picks its γ, the draft runs every request's chain
   window as batched steps (step j feeds every request still drafting; an early-exit draft runs
-  the target's first layers on the request's own cache row), then one target forward
+  the target's first layers on the request's own cache row; an eagle head its layer on the
+  request's row of its own cache, the LM head once for all), then one target forward
   verifies every request's window and each request accepts with
-  testbed.spec.speculative.speculative_step, drawing from its own generator;
+  testbed.spec.speculative.speculative_step, drawing from its own generator (an eagle head
+  then takes the target's features of the accepted tokens from that forward);
 - ``sync`` with ``schedule.tree=true`` (the serial tree): every request's tree is expanded d times
   and filled (expansion j of every request in one batched draft forward: real/runtime/rendezvous.py
   runs each request's drafter in a thread of its own and meets their forwards), every subtree is
@@ -39,8 +41,9 @@ from typing import Any
 
 import torch
 
-from real.model.batch import CacheRows, Feed, forward_batch
+from real.model.batch import CacheRows, Feed, forward_batch, forward_batch_features
 from real.model.drafts import ChainWindow, Draft, EarlyExitDraft, ModelDraft, NgramDraft
+from real.model.eagle import EagleDraft, RowEagleDraft, eagle_rows_logits
 from real.model.tree_tokens import DraftTreeTokens, TargetTreeTokens, tree_cache_slots
 from real.runtime.context import RealContext, RealRequest, finish
 from real.runtime.rendezvous import Rendezvous, RowModel
@@ -125,6 +128,8 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
     longest = max(r.prompt_len + r.max_new_tokens for r in requests)
     draft_slots = tree_cache_slots(longest) if tree else max_seq  # a tree's slots beyond the sequence
     draft_rows = CacheRows(draft_model, rows, draft_slots) if draft_model is not None else None
+    if isinstance(ctx.draft, EagleDraft):  # the head's own KV cache, a row per request
+        draft_rows = CacheRows(ctx.draft.head.body, rows, max_seq)
     meet = Rendezvous() if tree else None
     queue = Admission(exp)
     arrivals = WallClockArrivals(exp, requests, queue, ctx.now)
@@ -174,12 +179,20 @@ def _admit(ctx: RealContext, req: RealRequest, *, arrived: float, admitted: floa
     ctx.rec.span("target", "prefill", s, m, request_id=rid)
     if ctx.draft is not None:
         a.policy = lookahead_for(ctx.exp)
-        a.draft = _request_draft(ctx.draft)
+        if isinstance(ctx.draft, EagleDraft):  # its row of the head's cache
+            assert draft_rows is not None
+            a.draft_row = draft_rows.acquire()
+            a.draft = RowEagleDraft(ctx.draft.head, ctx.draft.target, ctx.draft.params, ctx.draft.name,
+                                    rows=draft_rows, row=a.draft_row)
+        else:
+            a.draft = _request_draft(ctx.draft)
         # as real/schedules/sync.py: the trace runs record what per-token policies replay
         a.draft.record_features = a.policy.needs_features or ctx.exp.workload.split in ("calibrate", "trace")
         if isinstance(a.draft, EarlyExitDraft):  # the target's prefill filled its layers' slots
             a.draft.cached = len(ids) - 1
-        if draft_rows is not None:
+        if isinstance(a.draft, RowEagleDraft):
+            a.draft.start(ids)  # the features of the prefill that just ran
+        elif draft_rows is not None:
             a.draft_row = draft_rows.acquire()
             draft_rows.prefill(a.draft_row, ids[:-1])
             a.draft.cached = len(ids) - 1
@@ -227,7 +240,7 @@ def _sync_round(ctx: RealContext, running: list[Active], r: int, draft_model: An
     proposals: list[tuple[list[int], torch.Tensor] | None] = []
     for a in running:
         gamma = a.policy.next_gamma()
-        if isinstance(a.draft, ModelDraft | EarlyExitDraft):
+        if isinstance(a.draft, ModelDraft | EarlyExitDraft | RowEagleDraft):
             windows.append(ChainWindow(a.draft, a.ids, gamma, a.gen, a.policy))
             proposals.append(None)
         else:  # a lookup: no forward
@@ -239,6 +252,8 @@ def _sync_round(ctx: RealContext, running: list[Active], r: int, draft_model: An
             break
         if draft_model is not None:
             logits = forward_batch(draft_model, [Feed(a.draft_row, toks, pos) for a, _, (toks, pos) in step])
+        elif isinstance(step[0][0].draft, RowEagleDraft):
+            logits = [lg[None] for lg in eagle_rows_logits([(a.draft, toks, pos) for a, _, (toks, pos) in step])]  # type: ignore[misc]
         else:  # early exit: the target's first layers on the request's own row
             exit_layer = step[0][0].draft.exit_layer  # type: ignore[union-attr]
             logits = forward_batch(ctx.target.model, [Feed(a.row, toks, pos) for a, _, (toks, pos) in step],
@@ -247,18 +262,21 @@ def _sync_round(ctx: RealContext, running: list[Active], r: int, draft_model: An
             w.take(lg[-1])
     proposals = [w.result() if w is not None else p for w, p in zip(windows, proposals)]
     m = ctx.now()
-    logits = forward_batch(ctx.target.model, [Feed(a.row, [a.ids[-1], *g], len(a.ids) - 1)
-                                              for a, (g, _) in zip(running, proposals)])
+    logits, hidden = forward_batch_features(ctx.target.model, [Feed(a.row, [a.ids[-1], *g], len(a.ids) - 1)
+                                                               for a, (g, _) in zip(running, proposals)])
     steps = [speculative_step(standardize(lg, ctx.params), q, draft_tokens=torch.tensor(g, dtype=torch.long),
                               generator=a.gen) for a, (g, q), lg in zip(running, proposals, logits)]
     e = ctx.now()
     features = ctx.rec.extra_round_columns.setdefault("draft_features", [])
     forwards = 0
-    for a, (g, _), st in zip(running, proposals, steps):
+    for a, (g, _), st, feats in zip(running, proposals, steps, hidden):
         a.start_s = s if a.start_s < 0 else a.start_s
         n, k = st.accepted, len(g)
         a.ids.extend(st.tokens)
-        a.draft.commit(a.ids, n, k)
+        if isinstance(a.draft, EagleDraft):  # the target's features of the old root and accepted guesses
+            a.draft.commit(a.ids, n, k, features=feats[:n + 1])
+        else:
+            a.draft.commit(a.ids, n, k)
         before = len(a.out)
         a.out, a.done = finish(a.out, st.tokens, a.req.max_new_tokens, ctx.eos)
         a.policy.observe(k, n)

@@ -14,6 +14,7 @@ from kernels import native
 from real.model.batch import CacheRows, Feed, forward_batch
 from real.model.decoder import ModelArgs
 from real.model.drafts import EarlyExitDraft, ModelDraft, NgramDraft
+from real.model.eagle import EagleDraft, EagleHead
 from real.model.runners import TargetRunner
 from real.runtime.batching import serve_batched
 from real.runtime.context import RealContext, RealRequest
@@ -27,6 +28,7 @@ from tests.conftest import compose_exp, run_cli
 from tests.helpers.real_models import (
     TINY,
     TWO_TOKEN_PROMPT,
+    TWO_TOKEN_VOCAB,
     exact_two_token_law,
     tiny,
     two_token_pair,
@@ -144,6 +146,36 @@ def test_temperature_0_outputs_under_batching_equal_ar_alone(load: tuple[str, ..
     assert (requests.finish_s >= requests.first_token_s).all()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_eagle_head_under_batching_answers_as_served_alone(temperature: float, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each request's head state (its row of the head's cache, the target's features of its
+    accepted tokens from the batched verification) gives the draws it gets served alone; at
+    temperature 0 that is `ar`'s output. The head's steps of the requests run together."""
+    from real.runtime import batching
+
+    steps: list[int] = []
+    batched = batching.eagle_rows_logits
+    monkeypatch.setattr(batching, "eagle_rows_logits", lambda s: steps.append(len(s)) or batched(s))
+    params = SamplingParams(temperature=temperature)
+    target, _ = two_token_pair(2)  # 4 tokens: a random head's guesses are often right
+    gen = torch.Generator().manual_seed(2)
+    reqs = [RealRequest(i, f"p{i}", torch.randint(0, TWO_TOKEN_VOCAB, (2 + 3 * (i % 3),), generator=gen).tolist(),
+                        8 + 4 * (i % 3)) for i in range(6)]
+    exp = compose_exp("schedule.gamma=3", "workload.concurrency=3", f"sampling.temperature={temperature}")
+    head = EagleHead(target.args).init_random(2, std=0.5)
+    try:
+        alone = _alone(exp, target, EagleDraft(head, target, params, "eagle"), params, serve_sync, reqs)
+        ctx = _batched(exp, target, EagleDraft(head, target, params, "eagle"), params, reqs)
+    finally:
+        target.keep_hidden = False
+    assert _by_request(ctx) == alone
+    if temperature == 0:
+        assert alone == _alone(exp, target, None, params, serve_ar, reqs)
+    rounds, _, timeline = ctx.rec.frames()[:3]
+    assert timeline["batch"].max() == 3 and rounds.accepted.sum() > 0  # shared rounds; features handed over
+    assert max(steps) == 3  # one head forward for the three requests' step
+
+
 def test_rounds_never_exceed_max_batch_and_queue_waits() -> None:
     params = SamplingParams()
     exp = compose_exp("workload.concurrency=5", "serving.max_batch=2", "schedule.gamma=2")
@@ -183,7 +215,7 @@ def test_batched_sync_samples_the_target_distribution_at_temperature_1() -> None
 
 @pytest.mark.parametrize(("overrides", "says"), [
     (("schedule=sync", "schedule.tree=true", "pair=smollm2_135m+ngram3"), "pair.draft.kind"),
-    (("schedule=sync", "pair=smollm2_135m+smollm2_eagle"), "pair.draft.kind"),
+    (("schedule=async", "pair=smollm2_135m+smollm2_eagle"), "pair.draft.kind"),
     (("schedule=sync", "lookahead.policy=oracle"), "lookahead.policy"),
     (("schedule=ar", "placement.target_gpus=2"), "placement.target_gpus"),
     (("schedule=ar", "workload.concurrency=65"), "serving.max_batch=0"),  # 65 KV-cache rows
