@@ -142,11 +142,15 @@ def test_an_early_exit_draft_is_refused() -> None:
 
 
 # ------------------------------------------------------------------------------ faults
-@pytest.mark.parametrize("group", ["stage1", pytest.param("stage0", marks=pytest.mark.slow)])
-def test_a_killed_stage_ends_the_run_within_30_s(tiny_pair, group: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("group", "load"), [("stage1", ()), pytest.param("stage0", (), marks=pytest.mark.slow),
+                                             ("stage2", ("workload.concurrency=2",))])
+def test_a_killed_stage_ends_the_run_within_30_s(tiny_pair, group: str, load: tuple[str, ...],  # type: ignore[no-untyped-def]
+                                                 tmp_path: Path) -> None:
+    """Served one at a time or with requests in flight (the first stage then waits for answers
+    on a thread of its own, real/runtime/pipelined.py): one line naming the stage, no worker left."""
     from real.runtime.launch import launch
 
-    exp = _exp(*tiny_pair, "schedule=decentralized", "placement.nodes=3", "real.recv_timeout_s=20")
+    exp = _exp(*tiny_pair, "schedule=decentralized", "placement.nodes=3", "real.recv_timeout_s=20", *load)
     stamp = tmp_path / "killed"
     with pytest.raises(WorkerFailed) as e:
         launch(exp, pw.pipeline_rank_killed, args=(group, str(stamp)), timeout_s=240)
