@@ -81,6 +81,9 @@ class LookaheadConfig:
     threshold: float | None = doc(None, "stop drafting below this score (confidence: draft probability, "
                                   "default 0.4; disco: the classifier file's tuned one)")
     path: str | None = doc(None, "disco: the classifier file (python -m real.train.disco)")
+    by_batch: str | None = doc(None, "batch: γ by the requests in a round, 'B:γ B:γ ...' ascending in B; a round of "
+                               "b requests drafts the γ of the largest B <= b (γ 0: no speculation), capped "
+                               "at schedule.gamma")
 
 
 @dataclass

@@ -92,6 +92,18 @@ def _validate_lookahead(exp: ExperimentConfig) -> None:
         _float_range("lookahead.threshold", la.threshold, lo=0.0, hi=1.0)
     if la.path is not None and la.policy != "disco":
         raise ConfigError("lookahead.path", la.path, f"unset with lookahead={la.policy} (only disco loads a classifier)")
+    if la.by_batch is not None and la.policy != "batch":
+        raise ConfigError("lookahead.by_batch", la.by_batch, f"unset with lookahead={la.policy} (only batch reads it)")
+    if la.policy == "batch":
+        from testbed.spec.lookahead import parse_by_batch
+
+        if not spec_of(exp).chain:
+            raise ConfigError("lookahead", la.policy, f"another policy with schedule={s.name}"
+                              + (" (tree)" if s.tree else "") + " (γ by batch size: the sync chain's rounds)")
+        try:
+            parse_by_batch(la.by_batch or "")
+        except ValueError as e:
+            raise ConfigError("lookahead.by_batch", la.by_batch, f"'B:γ B:γ ...' ({e})") from None
     if la.policy in PER_TOKEN and not spec_of(exp).chain:
         raise ConfigError("lookahead", la.policy, "static or heuristic with schedule=" + s.name
                           + (" (tree)" if s.tree else "") + " (per-token stopping runs in the sync chain)")

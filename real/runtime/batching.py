@@ -239,6 +239,7 @@ def _sync_round(ctx: RealContext, running: list[Active], r: int, draft_model: An
     windows: list[ChainWindow | None] = []
     proposals: list[tuple[list[int], torch.Tensor] | None] = []
     for a in running:
+        a.policy.before_round(len(running))
         gamma = a.policy.next_gamma()
         if isinstance(a.draft, ModelDraft | EarlyExitDraft | RowEagleDraft):
             windows.append(ChainWindow(a.draft, a.ids, gamma, a.gen, a.policy))

@@ -38,6 +38,7 @@ from typing import Any
 from sim.oracle.tree_tokens import batched_expansion_seconds
 from sim.runtime.batching_async import async_prefill, async_round
 from sim.runtime.context import SimContext, SimRequest
+from sim.schedules.sync import next_pending
 from testbed.admission import Admission, count_round, span_request
 from testbed.recorder import RequestRecord
 from testbed.schedules import spec_of
@@ -187,6 +188,7 @@ def _sync_round(ctx: SimContext, running: list[Active], r: int) -> Generator[Any
     s = env.now
     plans = []
     for a in running:  # the oracle decides first (it does not depend on time), as in sync
+        a.policy.before_round(len(running))
         gamma = a.policy.next_gamma()
         outcome = a.seq.chain_round(gamma, a.policy)
         k = gamma if outcome.proposed is None else outcome.proposed
@@ -210,7 +212,7 @@ def _sync_round(ctx: SimContext, running: list[Active], r: int) -> Generator[Any
         a.out.extend(outcome.tokens[:emitted])
         a.generated += emitted
         a.seq_len += n + 1
-        a.pending = 2 if k and n == k and not outcome.dropped else 1
+        a.pending = next_pending(a.pending, k, n, forwards=fw, dropped=outcome.dropped)
         a.policy.observe(k, n)
         rec.round(request_id=a.req.request_id, round_idx=a.rounds, start_s=s, end_s=env.now, drafted=k,
                   checked=n + (n < k), accepted=n, emitted=emitted, verified_tokens=k + 1,

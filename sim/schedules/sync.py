@@ -17,6 +17,15 @@ from testbed.recorder import RequestRecord
 from testbed.spec.lookahead import lookahead_for
 
 
+def next_pending(pending: int, proposed: int, accepted: int, *, forwards: int, dropped: int) -> int:
+    """Tokens the draft must feed before its next guess (real/model/drafts.py ``ChainWindow``):
+    the bonus, plus the last guess after a fully accepted round unless a dropped guess's forward
+    fed it already; a round without a draft forward (γ = 0: speculation off, or a lookup) fed
+    nothing, so its token joins the ones still to feed."""
+    if forwards == 0:
+        return pending + 1
+    return 2 if proposed and accepted == proposed and not dropped else 1
+
 def prefill_in_turn(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, float]:
     """A request's prefill where draft and target run one after the other (`sync`, the serial
     tree): the target's, then the draft's. Returns the seconds."""
@@ -54,7 +63,8 @@ def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         outcome = seq.chain_round(gamma, policy)
         k = gamma if outcome.proposed is None else outcome.proposed
         fw = k + outcome.dropped
-        draft_s = cost.draft_chain(pending, fw, seq_len)
+        # no draft forward at γ = 0 (speculation off); a lookup looks even when it finds nothing
+        draft_s = cost.draft_chain(pending, fw, seq_len) if fw or ngram else 0.0
         forwards += 0 if ngram else fw
         target_s = forward("target", k + 1, seq_len - 1)
         yield timeout(draft_s + target_s)
@@ -63,8 +73,7 @@ def sync(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]:
         out.extend(outcome.tokens[:emitted])
         generated += emitted
         seq_len += n + 1
-        # the last guess is fed next round, unless a dropped guess's forward fed it already
-        pending = 2 if k and n == k and not outcome.dropped else 1
+        pending = next_pending(pending, k, n, forwards=fw, dropped=outcome.dropped)
         policy.observe(k, n)
         rec.round(request_id=rid, round_idx=r, start_s=s, end_s=env.now, drafted=k,
                   checked=n + (n < k), accepted=n, emitted=emitted, verified_tokens=k + 1,

@@ -20,6 +20,11 @@ Policies:
 - oracle: the upper bound — draft exactly as far as the target accepts: keep a token the
   target would accept, drop the first one it would reject. The caller says which (real: the
   target's greedy continuation at temperature 0; simulator: the oracle's acceptance).
+- batch: γ by the number of requests in the round (``lookahead.by_batch``, e.g. ``1:4 4:2 8:0``:
+  4 alone, 2 from four requests on, no speculation from eight), as serving engines turn
+  speculation down and off with the batch size (vLLM's ``speculative_disable_by_batch_size``).
+  The batched rounds of both backends tell every request's policy the round's batch size
+  (``before_round``) before asking for its γ; served one at a time the batch is 1.
 
 Features of a draft token (what real runs record into the trace, ``FEATURES`` floats): the
 draft's top-10 probabilities, its entropy (nats) and the chosen token's probability, all under
@@ -195,6 +200,9 @@ class LookaheadPolicy:
     chosen_only: bool = False  # of the features, after_token reads the chosen probability only
     per_token: bool = False  # after_token may end a window early
 
+    def before_round(self, batch: int) -> None:  # noqa: B027 - optional hook
+        """The requests of the round about to draft (the batched rounds call it; alone: 1)."""
+
     def next_gamma(self) -> int:
         return self.gamma_max
 
@@ -280,6 +288,45 @@ class OracleLookahead(LookaheadPolicy):
         return Decision.CONTINUE if accepted else Decision.DROP
 
 
+DEFAULT_BY_BATCH = "1:4 2:2 4:1 8:0"  # conf/lookahead/batch.yaml's
+
+
+def parse_by_batch(text: str) -> list[tuple[int, int]]:
+    """``'B:γ B:γ ...'`` (or comma-separated) as ``[(B, γ), ...]``: B ascending from 1 or more,
+    γ >= 0; ValueError otherwise."""
+    rule: list[tuple[int, int]] = []
+    for part in str(text).replace(",", " ").split():
+        try:
+            b, g = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(f"{part.strip()!r} is not B:γ (two integers)") from None
+        if b < 1 or g < 0 or (rule and b <= rule[-1][0]):
+            raise ValueError(f"{b}:{g}: batch sizes ascend from 1 or more, γ >= 0")
+        rule.append((b, g))
+    if not rule:
+        raise ValueError("no B:γ pair")
+    return rule
+
+
+@dataclass
+class BatchLookahead(LookaheadPolicy):
+    """γ by the round's batch size: the rule's γ of the largest listed size <= the batch (the
+    cap below the smallest), capped at ``gamma_max``."""
+
+    rule: list[tuple[int, int]] = field(default_factory=lambda: parse_by_batch(DEFAULT_BY_BATCH))
+    batch: int = 1
+
+    def before_round(self, batch: int) -> None:
+        self.batch = batch
+
+    def next_gamma(self) -> int:
+        gamma = self.gamma_max
+        for size, g in self.rule:
+            if size <= self.batch:
+                gamma = g
+        return min(gamma, self.gamma_max)
+
+
 @dataclass(frozen=True)
 class PolicyKind:
     """A lookahead policy's entry in ``LOOKAHEADS``: its factory ``make(gamma_max, threshold,
@@ -303,6 +350,7 @@ LOOKAHEADS.register("confidence", PolicyKind(lambda g, t, c: ConfidenceLookahead
     g, threshold=CONFIDENCE_THRESHOLD if t is None else t), per_token=True))
 LOOKAHEADS.register("disco", PolicyKind(_disco, per_token=True))
 LOOKAHEADS.register("oracle", PolicyKind(lambda g, t, c: OracleLookahead(g), per_token=True))
+LOOKAHEADS.register("batch", PolicyKind(lambda g, t, c: BatchLookahead(g)))
 POLICIES = LOOKAHEADS.names()
 PER_TOKEN = tuple(n for n, k in LOOKAHEADS.items() if k.per_token)  # policies that decide after every token
 
@@ -324,6 +372,8 @@ def lookahead_for(exp: object) -> LookaheadPolicy:
         # a file trained for another target is refused on real; the simulator models a pair
         target = exp.pair.target.name if exp.backend == "real" else ""  # type: ignore[attr-defined]
         clf = load_classifier(str(resolve_path(la.path)), target)
+    if la.policy == "batch":
+        return BatchLookahead(gamma, rule=parse_by_batch(la.by_batch or DEFAULT_BY_BATCH))
     return make_lookahead(la.policy, gamma, threshold=la.threshold, classifier=clf)
 
 

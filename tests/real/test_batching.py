@@ -176,6 +176,24 @@ def test_an_eagle_head_under_batching_answers_as_served_alone(temperature: float
     assert max(steps) == 3  # one head forward for the three requests' step
 
 
+def test_the_batch_policy_turns_speculation_off_from_a_batch_size_with_ar_s_outputs() -> None:
+    """lookahead=batch '1:3 3:0': three guesses alone, none in rounds of three or more; every
+    answer is `ar`'s. The draft is the target itself, so every guess is accepted exactly when
+    the draft caught up on every token it skipped while speculation was off."""
+    params = SamplingParams()
+    target = tiny(0)
+    reqs = _requests(7)
+    exp = compose_exp("schedule.gamma=3", "lookahead=batch", "lookahead.by_batch=1:3 3:0", "workload.concurrency=3")
+    ar = _alone(exp, target, None, params, serve_ar, reqs)
+    ctx = _batched(exp, target, ModelDraft(tiny(0), params, "itself"), params, reqs)
+    assert _by_request(ctx) == ar
+    rounds = ctx.rec.frames()[0]
+    batch = rounds.groupby("start_s").request_id.transform("size")
+    assert (rounds.drafted[batch >= 3] == 0).all() and (rounds.drafted[batch == 1] == 3).all()
+    assert (batch >= 3).any() and (batch == 1).any()
+    assert (rounds.accepted == rounds.drafted).all() and rounds.accepted.sum() > 0
+
+
 def test_rounds_never_exceed_max_batch_and_queue_waits() -> None:
     params = SamplingParams()
     exp = compose_exp("workload.concurrency=5", "serving.max_batch=2", "schedule.gamma=2")

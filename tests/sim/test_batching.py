@@ -81,6 +81,20 @@ def test_outputs_under_batching_equal_each_requests_ar_output() -> None:
         assert {r.request_id: list(r.output_ids) for r in q.itertuples()} == alone
 
 
+def test_the_batch_policy_drafts_the_gamma_of_each_rounds_batch_size() -> None:
+    """lookahead=batch: γ by the requests in the round — 4 alone, 2 from two on, none from four —
+    with the outputs `ar` gives (temperature 0, token ids)."""
+    alone = {r.request_id: list(r.output_ids) for r in served("schedule=ar", "acceptance=synthetic")[1].itertuples()}
+    exp = compose_exp(*SMALL, "schedule=sync", "lookahead=batch", "lookahead.by_batch=1:4 2:2 4:0",
+                      "acceptance=synthetic", "workload.concurrency=4")
+    rounds, q, _ = run(exp).recorder.frames()
+    assert {r.request_id: list(r.output_ids) for r in q.itertuples()} == alone
+    batch = rounds.groupby("start_s").request_id.transform("size")  # a batched round's requests share its start
+    want = batch.map(lambda b: 0 if b >= 4 else 2 if b >= 2 else 4)
+    assert (rounds.drafted == want).all()
+    assert set(batch) >= {4, 2, 1}  # full rounds without speculation, and the tail with it
+
+
 def test_poisson_arrivals_follow_the_seed() -> None:
     exp = compose_exp(*SMALL, "workload.arrival=poisson", "workload.rate=4")
     _, q, _ = served("workload.arrival=poisson", "workload.rate=4")

@@ -22,6 +22,10 @@ BAD = [
     (["pair=llama3_70b+qwen2_1_5b"], "pair.draft.tokenizer"),
     (["+sweep=gamma", "schedule.gamma=0,3"], "schedule.gamma=0"),
     (["schedule.gamma=2,3"], "--multirun"),
+    (["lookahead.by_batch=1:4"], "lookahead.by_batch"),  # read by lookahead=batch only
+    (["lookahead=batch", "lookahead.by_batch=4:2 2:4"], "lookahead.by_batch"),  # not ascending
+    (["lookahead=batch", "lookahead.by_batch=1-4"], "lookahead.by_batch"),
+    (["lookahead=batch", "schedule.tree=true"], "lookahead='batch'"),  # the sync chain's rounds only
 ]
 
 
