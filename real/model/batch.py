@@ -106,7 +106,13 @@ def forward_batch(model: Transformer, feeds: list[Feed], *, layers: int | None =
     """fp32 logits ``[T_i, V]`` of every feed (on the host), the rows of all feeds in one forward
     per group of at most ``kernels.native.MAX_TOKENS`` rows. ``layers``: only the first that many
     layers, then the final norm and LM head (the early-exit draft, which writes the same K/V as
-    the full model in those layers of the request's row)."""
+    the full model in those layers of the request's row). On a GPU chains replay CUDA graphs
+    (real/model/batch_graphs.py)."""
+    graphs = getattr(model, "graph_batches", None)
+    if graphs is not None and layers is None and not model.keep_hidden and feeds:
+        out = graphs.logits(feeds)
+        if out is not None:
+            return out
     return forward_batch_features(model, feeds, layers=layers)[0]
 
 

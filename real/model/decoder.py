@@ -209,6 +209,8 @@ class Transformer(nn.Module):
         self.tp_vocab: tuple[int, int] | None = None  # (lo, hi): this rank's LM-head rows under TP
         # real.model.cuda_graphs.GraphedForwards when chain forwards replay CUDA graphs (real.runtime.loading)
         self.graph_forwards = None
+        # real.model.batch_graphs.GraphedBatches when batched chain forwards replay CUDA graphs
+        self.graph_batches = None
         # A feature-level draft (real.model.eagle) reads the last layer's output of the last forward
         # through all the layers (pre-norm, [B, T, dim]); kept only when it asks.
         self.keep_hidden = False

@@ -131,6 +131,11 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
     if isinstance(ctx.draft, EagleDraft):  # the head's own KV cache, a row per request
         draft_rows = CacheRows(ctx.draft.head.body, rows, max_seq)
     meet = Rendezvous() if tree else None
+    # on a GPU: capture the batched chains' CUDA graphs before the timed rounds (real/model/batch_graphs.py)
+    window = range(1, min(exp.schedule.gamma + 1, 16) + 1) if ctx.draft is not None and not tree else [1]
+    for model, counts in ((target, window), (draft_model, [1, 2])):
+        if model is not None and model.graph_batches is not None:
+            model.graph_batches.prepare(rows, list(counts))
     queue = Admission(exp)
     arrivals = WallClockArrivals(exp, requests, queue, ctx.now)
     running: list[Active] = []

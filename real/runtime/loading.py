@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from real.errors import RealSetupError, WeightsNotFound
+from real.model.batch_graphs import GraphedBatches
 from real.model.cuda_graphs import MAX_TOKENS, GraphedForwards
 from real.model.decoder import Transformer
 from real.model.drafts import Draft, EarlyExitDraft, ModelDraft, NgramDraft
@@ -53,6 +54,7 @@ def load(path: str | None, what: str, *, model_name: str, dtype: str,
     model = _MODELS[key][0]
     # chain forwards replayed from CUDA graphs (real.model.cuda_graphs): set per run, the model is shared
     model.graph_forwards = GraphedForwards(model) if cuda_graphs and torch.device(device).type == "cuda" else None
+    model.graph_batches = GraphedBatches(model) if model.graph_forwards is not None else None
     return _MODELS[key]
 
 

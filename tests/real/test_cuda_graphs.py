@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from real.model.batch import CacheRows
 from real.model.cuda_graphs import GraphedForwards
 from real.model.decoder import Transformer
 from real.model.runners import chain_logits
@@ -126,3 +127,84 @@ def test_replayed_tree_graph_equals_eager_on_cuda() -> None:
         got = LocalModel(graphed).logits(tokens, input_pos=slots, mask=mask, position_ids=positions)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert graphed.graph_forwards.replays == 3 and graphed.graph_forwards.captures == captured
+
+
+# ------------------------------------------------------------- batched forwards (under load)
+def _batch_model(device: str = "cpu") -> tuple[Transformer, CacheRows]:
+
+
+    model = Transformer(TINY, dtype=torch.float32, device=device).init_random(seed=3).eval()
+    return model, CacheRows(model, 4, 48)
+
+
+def _batch_prompts(rows: CacheRows) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, TINY.vocab_size, (n,), generator=gen).tolist() for n in (5, 12, 3)]
+    for row, p in enumerate(prompts, start=1):
+        rows.prefill(row, p)
+    return prompts
+
+
+@torch.inference_mode()
+def test_static_batch_body_equals_the_batched_forward() -> None:
+    """Three requests, windows of 1, 4 and 2 tokens padded to a batch of 4 x 4 tokens: each
+    request's logits and the K/V of its own slots equal forward_batch's (whose rows equal a
+    request served alone)."""
+    from real.model.batch import Feed, forward_batch
+    from real.model.batch_graphs import static_batch_logits
+
+    (eager, eager_rows), (static, static_rows) = _batch_model(), _batch_model()
+    prompts = _batch_prompts(eager_rows)
+    _batch_prompts(static_rows)
+    windows = [[4], [9, 8, 7, 6], [1, 2]]
+    feeds = [Feed(row, w, len(p)) for row, (p, w) in enumerate(zip(prompts, windows), start=1)]
+    want = forward_batch(eager, feeds)
+    tokens = torch.zeros(4, 4, dtype=torch.long)
+    slots = torch.arange(4).repeat(4, 1)
+    rows = torch.zeros(4, dtype=torch.long)
+    for i, f in enumerate(feeds):
+        tokens[i, :len(f.tokens)] = torch.tensor(f.tokens)
+        slots[i] += f.start
+        rows[i] = f.row
+    got = static_batch_logits(static, tokens, slots, rows)
+    for i, f in enumerate(feeds):
+        torch.testing.assert_close(got[i, :len(f.tokens)], want[i], rtol=1e-4, atol=1e-4)
+        assert torch.equal(got[i, :len(f.tokens)].argmax(-1), want[i].argmax(-1))
+        end = f.start + len(f.tokens)
+        for layer_s, layer_e in zip(static.layers, eager.layers):
+            for a, b in ((layer_s.attention.kv_cache.k_cache, layer_e.attention.kv_cache.k_cache),
+                         (layer_s.attention.kv_cache.v_cache, layer_e.attention.kv_cache.v_cache)):
+                torch.testing.assert_close(a[f.row, :, :end], b[f.row, :, :end], rtol=1e-5, atol=1e-5)
+
+
+def test_batch_graphs_never_apply_off_cuda() -> None:
+    from real.model.batch import Feed, forward_batch
+    from real.model.batch_graphs import GraphedBatches
+
+    model, rows = _batch_model()
+    model.graph_batches = GraphedBatches(model)
+    _batch_prompts(rows)
+    with torch.inference_mode():
+        got = forward_batch(model, [Feed(1, [4], 5), Feed(2, [5, 6], 12)])  # the eager (native) path
+    assert [g.shape for g in got] == [(1, TINY.vocab_size), (2, TINY.vocab_size)]
+    assert model.graph_batches.replays == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@torch.inference_mode()
+def test_replayed_batch_graph_equals_eager_on_cuda() -> None:
+    from real.model.batch import Feed, forward_batch
+    from real.model.batch_graphs import GraphedBatches
+
+    (eager, eager_rows), (graphed, graphed_rows) = _batch_model("cuda"), _batch_model("cuda")
+    graphed.graph_batches = GraphedBatches(graphed)
+    prompts = _batch_prompts(eager_rows)
+    _batch_prompts(graphed_rows)
+    lengths = [len(p) for p in prompts]
+    for windows in ([[4], [9, 8, 7], [1, 2]], [[3], [5], [6]], [[2, 2], [1], [8]]):
+        feeds = [Feed(row, w, lengths[row - 1]) for row, w in enumerate(windows, start=1)]
+        want, got = forward_batch(eager, feeds), forward_batch(graphed, feeds)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w.cpu(), rtol=1e-4, atol=1e-4)
+        lengths = [n + len(w) for n, w in zip(lengths, windows)]
+    assert graphed.graph_batches.replays == 3 and graphed.graph_batches.captures == 3
