@@ -88,18 +88,23 @@ class Pipeline:
         return sum(h.mean_time(tokens * self.act_bytes_per_token) for h in self.hops) / len(self.hops)
 
     def forward(self, tokens: int, context: int, request_id: int, round_idx: int, *,
-                kind: str, dists_bytes: int = 0) -> Generator[Any, Any, float]:
+                kind: str, dists_bytes: int = 0, draft_s: float = 0.0) -> Generator[Any, Any, float]:
         """Run `tokens` tokens through every stage; returns the compute seconds spent. Each hop
         carries what real/runtime/pipeline.py sends: activations, the tokens' ids and ``dists_bytes`` of
-        draft distributions (testbed.links.dsd_window_bytes)."""
+        draft distributions (testbed.links.dsd_window_bytes). ``draft_s``: the window's draft,
+        on the first node's devices right before its stage-0 forward, in one hold of them (the
+        real first stage drafts and runs its layers back to back, real/runtime/pipelined.py)."""
         env, rec, fwd = self.ctx.env, self.ctx.rec, self.ctx.cost.forward
         nbytes = dsd_window_bytes(tokens, hidden=self.hidden, act_bytes=self.act_bytes, dists=dists_bytes)
         compute = 0.0
         last = len(self.names) - 1
         for i, (name, lay) in enumerate(zip(self.names, self.layers)):
             dt = fwd("target", tokens, context, lay)
-            s = yield from self.on_stage(i, dt)
-            rec.span(name, kind, s, env.now, request_id=request_id, round_idx=round_idx)
+            lead = draft_s if i == 0 else 0.0
+            s = yield from self.on_stage(i, lead + dt)
+            if lead:
+                rec.span("draft", "draft", s, s + lead, request_id=request_id, round_idx=round_idx)
+            rec.span(name, kind, s + lead, env.now, request_id=request_id, round_idx=round_idx)
             compute += dt
             if i < last:
                 yield from self.hops[i].send(nbytes, request_id, round_idx)

@@ -134,10 +134,10 @@ def decentralized(ctx: SimContext, req: SimRequest) -> Generator[Any, Any, None]
         gamma = policy.next_gamma()
         t_round = env.now
         draft_s = cost.draft_chain(pending, gamma, seq_len)
-        s_draft = yield from pipe.on_stage(0, draft_s)  # the draft shares node 0's devices
-        rec.span("draft", "draft", s_draft, env.now, request_id=rid, round_idx=r)
         q_bytes = draft_dists_bytes(gamma, vocab=exp.pair.target.vocab, topk=s.draft_topk) if sends_q else 0
-        target_s = yield from pipe.forward(gamma + 1, seq_len - 1, rid, r, kind="verify", dists_bytes=q_bytes)
+        # the draft shares node 0's devices: it drafts, then stage 0 runs the window
+        target_s = yield from pipe.forward(gamma + 1, seq_len - 1, rid, r, kind="verify", dists_bytes=q_bytes,
+                                           draft_s=draft_s)
         if s.adaptive and isinstance(seq, SyntheticSequence):  # a trace replays the rule's outcomes
             outcome, key = adaptive_round(seq, gamma, s.tau, lambdas)
             acc["key"] += sum(key)
