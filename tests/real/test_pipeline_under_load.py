@@ -6,9 +6,6 @@ in this process over loopback links with a WAN delay, and end to end over stage 
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 import torch
 
@@ -17,19 +14,17 @@ from real.model.decoder import Transformer
 from real.model.drafts import ModelDraft, NgramDraft, RowModelDraft
 from real.model.generate import greedy_generate
 from real.runtime.context import RealRequest
-from real.runtime.loopback import LoopbackTransport
-from real.runtime.pipeline import Stage, ar_flow, run_alone, stage_worker, stop
+from real.runtime.pipeline import Stage, ar_flow, run_alone
 from real.runtime.pipelined import serve_pipelined
 from real.schedules.decentralized import dsd_flow, make_verifier
 from testbed.config import ConfigError
-from testbed.links import LinkModel
-from testbed.placement import LinkSpec
 from testbed.recorder import RunRecorder
 from testbed.spec.dsd import draft_params
 from testbed.spec.sampling import SamplingParams
 from tests.conftest import compose_exp
 from tests.helpers.processes import live_workers
 from tests.helpers.real_models import TINY, tiny
+from tests.helpers.ring import run_ring
 
 ROWS_SLOTS = 64
 LATENCY_S = 0.004  # each way: a window's round trip waits on the links, so requests overlap
@@ -55,28 +50,11 @@ def _ring(exp, params: SamplingParams, reqs: list[RealRequest], *, rows: int, dr
           ) -> tuple[list[list[int]], RunRecorder]:
     """Two stages in this process (stage1 on a thread) joined by loopback links of LATENCY_S
     each way; ``rows`` 0: every request served alone, one after another; else under load."""
-    def link(src: str, dst: str) -> LinkSpec:
-        return LinkSpec(f"link {src}->{dst}", src, dst, LinkModel(f"link {src}->{dst}", LATENCY_S), True)
-
-    fwd = LoopbackTransport.connect("stage:stage0->stage1", (0, 1), links={(0, 1): link("stage0", "stage1")},
-                                    recv_timeout_s=30.0)
-    back = LoopbackTransport.connect("stage:stage1->stage0", (0, 1), links={(1, 0): link("stage1", "stage0")},
-                                     recv_timeout_s=30.0)
     rec = RunRecorder()
     half = TINY.n_layers // 2
     first, last = tiny(1), tiny(1)  # the same weights: stage0 runs the first half, stage1 the rest
     first.setup_cache(ROWS_SLOTS, max_batch=rows + 1, layers=(0, half))
     last.setup_cache(ROWS_SLOTS, max_batch=rows + 1, layers=(half, TINY.n_layers))
-    s0 = Stage(first, (0, half), 0, 2, back[0], fwd[0], rec, time.perf_counter)
-    s1 = Stage(last, (half, TINY.n_layers), 1, 2, fwd[1], back[1], RunRecorder(), time.perf_counter)
-    errors: list[BaseException] = []
-
-    def last_stage() -> None:
-        try:
-            stage_worker(s1, lambda m: make_verifier(exp, TINY.vocab_size, m.request_id, baseline=False))
-        except BaseException as e:  # noqa: BLE001 — reported by the test
-            errors.append(e)
-
     dparams = draft_params(params, exp.schedule.draft_topk)
     model = _draft_model() if draft == "model" else None
     cache = CacheRows(model, rows, ROWS_SLOTS) if model is not None and rows else None
@@ -90,25 +68,19 @@ def _ring(exp, params: SamplingParams, reqs: list[RealRequest], *, rows: int, dr
             return RowModelDraft(model, dparams, "d", rows=cache, row=row)
         return ModelDraft(model, dparams, "d")
 
-    def flow(req: RealRequest, row: int):  # type: ignore[no-untyped-def]
-        if draft is None:
-            return ar_flow(s0, req, frozenset(), None, rec=rec, phase=0, row=row)
-        return dsd_flow(s0, draft_of(row), req, frozenset(), exp=exp, rec=rec,
-                        send_dists=not params.greedy and draft == "model", row=row)
+    def serve(s0: Stage) -> list[list[int]]:
+        def flow(req: RealRequest, row: int):  # type: ignore[no-untyped-def]
+            if draft is None:
+                return ar_flow(s0, req, frozenset(), None, rec=rec, phase=0, row=row)
+            return dsd_flow(s0, draft_of(row), req, frozenset(), exp=exp, rec=rec,
+                            send_dists=not params.greedy and draft == "model", row=row)
 
-    thread = threading.Thread(target=last_stage)
-    thread.start()
-    try:
         if rows:
-            outputs = serve_pipelined(s0, exp, reqs, flow, rec=rec, rows=rows)
-        else:
-            outputs = [run_alone(s0, flow(req, 0)) for req in reqs]
-        stop(s0)
-    finally:
-        thread.join(60)
-        for end in (*fwd.values(), *back.values()):
-            end.close()
-    assert not errors, errors
+            return serve_pipelined(s0, exp, reqs, flow, rec=rec, rows=rows)
+        return [run_alone(s0, flow(req, 0)) for req in reqs]
+
+    outputs = run_ring(first, last, split=half, rec=rec, serve=serve, latency_s=LATENCY_S,
+                       make_verify=lambda m: make_verifier(exp, TINY.vocab_size, m.request_id, baseline=False))
     return outputs, rec
 
 

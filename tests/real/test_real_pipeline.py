@@ -6,7 +6,6 @@ drives the stage functions in this process (two threads joined by LoopbackTransp
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -18,8 +17,7 @@ from real.model.decoder import Transformer
 from real.model.drafts import ModelDraft
 from real.runtime.context import RealRequest
 from real.runtime.links import Kind, Message
-from real.runtime.loopback import LoopbackTransport
-from real.runtime.pipeline import Stage, pack_dists, stage_worker, stop, unpack_dists
+from real.runtime.pipeline import Stage, pack_dists, unpack_dists
 from real.schedules.decentralized import (
     WindowVerifier,
     alpha_from_tokens,
@@ -40,6 +38,7 @@ from tests.helpers.real_models import (
     two_token_pair,
     two_token_tv,
 )
+from tests.helpers.ring import run_ring
 from tests.helpers.tiny_checkpoint import write_tiny_checkpoint
 
 LAYERS = 4
@@ -222,36 +221,18 @@ def test_tau_relaxes_only_non_key_tokens() -> None:
 def _ring_run(target: Transformer, draft: Transformer, exp, params: SamplingParams,  # type: ignore[no-untyped-def]
               requests: list[RealRequest]) -> RunRecorder:
     """Two stages in this process (stage1 on a thread), joined by LoopbackTransports."""
-    fwd = LoopbackTransport.connect("stage:stage0->stage1", (0, 1), recv_timeout_s=30.0)
-    back = LoopbackTransport.connect("stage:stage1->stage0", (0, 1), recv_timeout_s=30.0)
     rec = RunRecorder(keep_spans=False)
-    half = target.args.n_layers // 2
     copy = Transformer(target.args).init_random(11, std=0.8)
     copy.setup_cache()
-    s0 = Stage(target, (0, half), 0, 2, back[0], fwd[0], rec, time.perf_counter)
-    s1 = Stage(copy, (half, target.args.n_layers), 1, 2, fwd[1], back[1],
-               RunRecorder(keep_spans=False), time.perf_counter)
-    errors: list[BaseException] = []
-
-    def last_stage() -> None:
-        try:
-            stage_worker(s1, lambda m: WindowVerifier(params, target.args.vocab_size,
-                                                      torch.Generator().manual_seed(1000 + m.request_id)))
-        except BaseException as e:  # noqa: BLE001 — reported by the test
-            errors.append(e)
-
-    thread = threading.Thread(target=last_stage)
-    thread.start()
     d = ModelDraft(draft, draft_params(params, exp.schedule.draft_topk), "d")
-    try:
+
+    def serve(s0: Stage) -> None:
         for req in requests:
             dsd_first_stage(s0, d, req, frozenset(), exp=exp, rec=rec, send_dists=True)
-        stop(s0)
-    finally:
-        thread.join(60)
-        for end in (*fwd.values(), *back.values()):
-            end.close()
-    assert not errors, errors
+
+    run_ring(target, copy, split=target.args.n_layers // 2, rec=rec, serve=serve,
+             make_verify=lambda m: WindowVerifier(params, target.args.vocab_size,
+                                                  torch.Generator().manual_seed(1000 + m.request_id)))
     return rec
 
 
