@@ -7,7 +7,6 @@ functions of real/runtime/pipeline.py, no processes); one test runs the stage pr
 from __future__ import annotations
 
 import copy
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,8 +20,7 @@ from real.model.eagle import EagleDraft, EagleHead, load_head, save_head
 from real.model.runners import TargetRunner
 from real.runtime.context import RealContext, RealRequest
 from real.runtime.links import Kind, Message
-from real.runtime.loopback import LoopbackTransport
-from real.runtime.pipeline import Stage, Verify, ar_pipeline, stage_worker, stop
+from real.runtime.pipeline import Stage, Verify, ar_pipeline
 from real.schedules.ar import serve_ar
 from real.schedules.decentralized import dsd_first_stage, make_verifier
 from testbed.links import dsd_prompt_answer_bytes, dsd_verified_bytes
@@ -31,6 +29,7 @@ from testbed.spec.sampling import SamplingParams
 from tests.conftest import compose_exp
 from tests.helpers.processes import live_workers
 from tests.helpers.real_models import TINY, tiny
+from tests.helpers.ring import run_ring
 from tests.helpers.tiny_checkpoint import write_tiny_checkpoint
 
 
@@ -39,45 +38,20 @@ def _ring(stages: tuple[Transformer, Transformer], draft: Draft, exp, requests: 
           ) -> tuple[RunRecorder, list[Message]]:
     """The requests through a two-stage ring (stage1 on a thread, returning features), then
     with ``baseline`` through `ar` over it: (the schedule's records, every message stage1 sent)."""
-    fwd = LoopbackTransport.connect("stage:stage0->stage1", (0, 1), recv_timeout_s=60.0)
-    back = LoopbackTransport.connect("stage:stage1->stage0", (0, 1), recv_timeout_s=60.0)
     sent: list[Message] = []
-    send = back[1].send
-
-    def record(msg: Message, dst: int | None = None) -> None:
-        sent.append(msg)
-        send(msg, dst)
-
-    back[1].send = record  # type: ignore[method-assign]
+    rec = RunRecorder(keep_spans=False)
     first, last = stages
-    n = first.args.n_layers
-    s0 = Stage(first, (0, n // 2), 0, 2, back[0], fwd[0], RunRecorder(keep_spans=False), time.perf_counter)
-    s1 = Stage(last, (n // 2, n), 1, 2, fwd[1], back[1], RunRecorder(keep_spans=False), time.perf_counter,
-               features=True)
-    errors: list[BaseException] = []
 
-    def last_stage() -> None:
-        try:
-            with torch.inference_mode():  # as a stage process runs (inference mode is per thread)
-                stage_worker(s1, make_verify)
-        except BaseException as e:  # noqa: BLE001 — reported by the test
-            errors.append(e)
-
-    thread = threading.Thread(target=last_stage)
-    thread.start()
-    try:
+    def serve(s0: Stage) -> None:
         for req in requests:
-            dsd_first_stage(s0, draft, req, frozenset(), exp=exp, rec=s0.rec, send_dists=False)
+            dsd_first_stage(s0, draft, req, frozenset(), exp=exp, rec=rec, send_dists=False)
         if baseline:
             for req in requests:
                 ar_pipeline(s0, req, frozenset(), None, rec=RunRecorder(keep_spans=False))
-        stop(s0)
-    finally:
-        thread.join(60)
-        for end in (*fwd.values(), *back.values()):
-            end.close()
-        assert not errors, errors  # the last stage's failure, not the first stage's wait for it
-    return s0.rec, sent
+
+    run_ring(first, last, split=first.args.n_layers // 2, make_verify=make_verify, serve=serve, rec=rec,
+             features=True, sent=sent)
+    return rec, sent
 
 
 def _stage_models(model: Transformer, slots: int) -> tuple[Transformer, Transformer]:
