@@ -142,7 +142,7 @@ def test_an_early_exit_draft_is_refused() -> None:
 
 # ------------------------------------------------------------------------------ faults
 @pytest.mark.parametrize(("group", "load"), [("stage1", ()), pytest.param("stage0", (), marks=pytest.mark.slow),
-                                             ("stage2", ("workload.concurrency=2",))])
+                                             pytest.param("stage2", ("workload.concurrency=2",), marks=pytest.mark.slow)])
 def test_a_killed_stage_ends_the_run_within_30_s(tiny_pair, group: str, load: tuple[str, ...],  # type: ignore[no-untyped-def]
                                                  tmp_path: Path) -> None:
     """Served one at a time or with requests in flight (the first stage then waits for answers
