@@ -141,13 +141,28 @@ def _tpot(q: pd.DataFrame) -> pd.Series:
     return 1e3 * (q["finish_s"] - q["first_token_s"]) / (q["generated"] - 1).where(q["generated"] > 1)
 
 
+def mean_in_flight(requests: pd.DataFrame) -> float:
+    """The time-weighted mean number of requests admitted and not yet answered, from the first
+    admission to the last answer: a batched server's running batch with its prefills, and what a
+    pipeline carries at once (whose stages each work on one request: ``mean_batch`` 1)."""
+    if not len(requests):
+        return float("nan")
+    admit = requests["arrival_s"] + requests["queue_s"]
+    events = pd.concat([pd.Series(1, index=admit.values), pd.Series(-1, index=requests["finish_s"].values)])
+    events = events.groupby(level=0).sum().sort_index()
+    level = events.cumsum()
+    times = events.index.to_numpy(dtype=float)
+    span = times[-1] - times[0]
+    return float((level.to_numpy()[:-1] * (times[1:] - times[:-1])).sum() / span) if span > 0 else float("nan")
+
+
 def load_metrics(requests: pd.DataFrame, timeline: pd.DataFrame, *, slo_ttft_ms: float, slo_tpot_ms: float,
                  baseline_requests: pd.DataFrame | None = None) -> dict[str, Any]:
     """What serving under load is judged by (runs under testbed/arrivals.py's load): TTFT, TPOT
     (after the first token) and end-to-end latency per request (mean, P50, P90, P99), the
     queueing delay, the system's throughput and goodput (requests per second meeting both SLOs;
     a bound of 0 is no bound), the time-weighted mean batch of the target's forwards (a pipeline's:
-    its stages'), and against
+    its stages') and of the requests in flight, and against
     `ar` at the same load the throughput (``load_speedup``) and the P50 TPOT (``tpot_speedup``)."""
     q = requests
     ttft = 1e3 * (q["first_token_s"] - q["arrival_s"])
@@ -183,4 +198,5 @@ def load_metrics(requests: pd.DataFrame, timeline: pd.DataFrame, *, slo_ttft_ms:
         "goodput_req_s": _clean(float(ok.sum()) / span) if span > 0 else None,
         "slo_attainment": _clean(float(ok.mean())) if len(q) else None,
         "mean_batch": _clean(mean_batch),
+        "mean_in_flight": _clean(mean_in_flight(q)),
     }

@@ -68,7 +68,8 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         load = (f"{summary['rate']:g} requests/s" if summary.get("rate") is not None
                 else f"{summary.get('concurrency')} clients" if summary.get("concurrency") is not None
                 else "the trace's arrivals")
-        u = Table(title=f"under load: {load}, mean batch {fmt(summary['mean_batch'], 1)}")
+        u = Table(title=f"under load: {load}, mean batch {fmt(summary['mean_batch'], 1)}, "
+                        f"{fmt(summary.get('mean_in_flight'), 1)} in flight")
         for col in ("", "mean", "p50", "p90", "p99"):
             u.add_column(col, justify="right")
         for key, label in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("e2e_ms", "end-to-end ms")):

@@ -207,6 +207,9 @@ def test_a_pipeline_serves_requests_in_flight_at_once_and_keeps_each_stage_to_on
     assert (on_node0["start_s"].to_numpy()[1:] >= on_node0["end_s"].to_numpy()[:-1] - 1e-12).all()
     assert four["load_speedup"] == pytest.approx(four["throughput_tok_s"] / four["ar_throughput_tok_s"])
     assert four["mean_batch"] == 1.0  # the stages' forwards, one window each
+    # four clients keep four in flight until the last of the six requests thin out; arrivals
+    # hours apart never overlap (and leave the pipeline idle in between)
+    assert 2.5 < four["mean_in_flight"] <= 4.0 and 0 < one["mean_in_flight"] < 1.0
 
 
 def test_async_under_load_batches_both_groups() -> None:
