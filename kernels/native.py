@@ -407,14 +407,22 @@ def batch_layers(model, h: Tensor, *, hi: int, cos: Tensor, sin: Tensor, slots: 
     ``h [1, R, dim]``, rows ``starts[i]:starts[i + 1]`` of sequence i, written at ``slots`` of
     KV-cache batch row ``cache_rows[i]``, attending over its slots ``[0, kv_lens[i])`` through
     ``masks[i]`` (bool ``[T_i, kv_lens[i]]``) or causally (None). None where the native path does
-    not apply (the caller runs the rows op by op): R > ``MAX_TOKENS``, tensor parallel, autograd."""
+    not apply (the caller runs the rows op by op): R > ``MAX_TOKENS``, autograd, a tensor-parallel
+    group without a native all-reduce."""
     if _LIB is None or h.device.type != "cpu" or h.dim() != 3 or h.shape[0] != 1:
         return None
-    if getattr(model, "tp_allreduce", None) is not None or (torch.is_grad_enabled() and model.norm.requires_grad):
+    if torch.is_grad_enabled() and model.norm.requires_grad:
         return None
     t = h.shape[1]
     if t > MAX_TOKENS or h.dtype not in _CODES or cos.dtype != h.dtype or hi <= lo:
         return None
+    # tensor parallel: the layers' partial sums all-reduced inside the call, as ``decode_layers``
+    allreduce, ar_fn, ar_ctx = getattr(model, "tp_allreduce", None), None, None
+    if allreduce is not None:
+        hook = allreduce.native()
+        if hook is None:
+            return None
+        ar_fn, ar_ctx = hook
     packed = _pack(model, lo, hi)
     if packed is None or _CODES[h.dtype] != packed[1].dtype:
         return None
@@ -440,7 +448,9 @@ def batch_layers(model, h: Tensor, *, hi: int, cos: Tensor, sin: Tensor, slots: 
     rc = _LIB.sb_layers_batch(ctypes.byref(dims), layers, hi - lo, out.data_ptr(), slots.data_ptr(),
                               cos.data_ptr(), sin.data_ptr(), None if mask is None else mask.data_ptr(), n,
                               base, base + step * (n + 1), base + step * (2 * n + 1), base + step * (3 * n + 1),
-                              torch.get_num_threads(), None, None)
+                              torch.get_num_threads(), ar_fn, ar_ctx)
+    if rc > 1:  # the all-reduce failed mid-way: the ranks are out of step, falling back would hang
+        raise allreduce.error(rc)
     return out if rc == 0 else None
 
 

@@ -156,7 +156,8 @@ REAL_MAX_BATCH = 64  # KV-cache rows a real run allocates at most (real/model/ba
 def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type: ignore[no-untyped-def]
     """What real/runtime/batching.py serves: `ar`, the chain of `sync` (a draft model, early exit,
     an eagle head or prompt lookup) and the serial tree (a draft model), in one process;
-    real/runtime/batching_async.py: `async` with a draft model, one device per group; and
+    real/runtime/batching_async.py: `async` with a draft model, one device per group (`ar` and the
+    chain also at TP > 1: the group's leader admits); and
     real/runtime/pipelined.py: `decentralized` (a draft model or prompt lookup) and `ar` over a
     pipeline of two nodes or more."""
     kind = exp.pair.draft.kind
@@ -182,10 +183,12 @@ def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type
                           f"up to {in_flight} requests could be in flight, and each holds a KV-cache row of "
                           "the longest request's slots from admission")
     pl = exp.placement
-    if pl.target_gpus > 1 or (spec.drafts and pl.draft_gpus > 1):
-        raise ConfigError("placement.target_gpus" if pl.target_gpus > 1 else "placement.draft_gpus",
-                          max(pl.target_gpus, pl.draft_gpus), f"1 under load ({load}) on backend=real: "
-                          "the batched rounds run one process per group (no tensor parallelism)")
+    tp = max(pl.target_gpus, pl.draft_gpus if spec.drafts else 1)
+    if tp > 1 and (spec.layout != SINGLE or spec.tree or exp.schedule.tree or kind == "eagle"):
+        raise ConfigError("placement.target_gpus" if pl.target_gpus > 1 else "placement.draft_gpus", tp,
+                          f"1 under load ({load}) with {spec.name}{' schedule.tree=true' if exp.schedule.tree else ''}"
+                          f"{' and an eagle head' if kind == 'eagle' else ''} on backend=real: tensor parallelism "
+                          "serves the batched rounds of `ar` and the sync chain")
 
 
 def validate(exp: ExperimentConfig) -> ExperimentConfig:

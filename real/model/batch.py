@@ -183,6 +183,9 @@ def reference_layers(model: Transformer, h: Tensor, feeds: list[Feed], *, hi: in
     starts = [0]
     for f in feeds:
         starts.append(starts[-1] + len(f.tokens))
+    # a tensor-parallel rank sums its partial outputs of wo and w2 over the group (real/model/tp.py
+    # does it in module hooks, which these direct calls bypass)
+    total = model.tp_allreduce if model.tp_allreduce is not None else (lambda x: x)
     for layer in model.layers[lo:hi]:
         att, ffn = layer.attention, layer.feed_forward
         hq, hkv, d = att.n_heads, att.n_kv_heads, att.head_dim
@@ -205,7 +208,7 @@ def reference_layers(model: Transformer, h: Tensor, feeds: list[Feed], *, hi: in
             y = kernels.attention(q, kc[:, :, :f.kv_len], vc[:, :, :f.kv_len],
                                   None if mask is None else mask.to(h.device))
             ys.append(y.transpose(1, 2).reshape(1, b - a, hq * d))
-        h = kernels.linear(torch.cat(ys, dim=1), att.wo).add_(h)
-        h = kernels.linear(kernels.swiglu_fused(kernels.rms_norm(h, layer.ffn_norm, layer.eps), ffn.w13),
-                           ffn.w2).add_(h)
+        h = total(kernels.linear(torch.cat(ys, dim=1), att.wo)).add_(h)
+        h = total(kernels.linear(kernels.swiglu_fused(kernels.rms_norm(h, layer.ffn_norm, layer.eps), ffn.w13),
+                                 ffn.w2)).add_(h)
     return h

@@ -117,8 +117,9 @@ def batch_rows(exp: Any, n_requests: int) -> int:
 
 
 @torch.inference_mode()
-def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int) -> None:
-    """Serve ``requests`` under the run's load until every one is answered."""
+def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int, group: Any = None) -> None:
+    """Serve ``requests`` under the run's load until every one is answered; ``group``: the
+    tensor-parallel group this rank serves in (its leader admits, ``_admissions``)."""
     exp = ctx.exp
     target = ctx.target.model
     rows = batch_rows(exp, len(requests))
@@ -140,14 +141,12 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
     arrivals = WallClockArrivals(exp, requests, queue, ctx.now)
     running: list[Active] = []
     finished, r = 0, 0
+    by_id = {r.request_id: r for r in requests}
     while finished < len(requests):
-        arrivals.poll()
-        if not running and not queue.waiting:
-            time.sleep(arrivals.wait_s())  # idle until the next arrival
-            continue
-        now = ctx.now()  # admitted together, then prefilled one after the other
+        now, taken = _admissions(ctx, arrivals, queue, len(running), group=group, by_id=by_id)
+        # admitted together, then prefilled one after the other
         admitted = [_admit(ctx, req, arrived=t, admitted=now, target_rows=target_rows, draft_rows=draft_rows)
-                    for req, t in queue.admit(len(running))]
+                    for req, t in taken]
         if meet is not None:
             for a in admitted:
                 _grow_tree(ctx, a, meet, target_rows=target_rows, draft_rows=draft_rows)
@@ -170,6 +169,30 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
             finished += 1
             _record(ctx, a)
             arrivals.done()
+
+
+def _admissions(ctx: RealContext, arrivals: WallClockArrivals, queue: Admission, running: int, *,
+                group: Any, by_id: dict[int, RealRequest]) -> tuple[float, list[tuple[RealRequest, float]]]:
+    """(now, the requests admitted now with their arrival times), after waiting for one when
+    none runs or waits. In a tensor-parallel group the leader decides and sends the decision to
+    the other ranks, so that every rank serves the same rounds (and enters the same collectives)."""
+    import torch.distributed as dist
+
+    leader = group is None or dist.get_rank(group) == 0
+    now, taken = 0.0, []
+    if leader:
+        arrivals.poll()
+        while not running and not queue.waiting:
+            time.sleep(arrivals.wait_s())  # idle until the next arrival
+            arrivals.poll()
+        now = ctx.now()
+        taken = queue.admit(running)
+    if group is not None:
+        box: list[Any] = [(now, [(req.request_id, t) for req, t in taken])] if leader else [None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        now, ids = box[0]
+        taken = [(by_id[i], t) for i, t in ids]
+    return now, taken  # type: ignore[return-value]
 
 
 def _admit(ctx: RealContext, req: RealRequest, *, arrived: float, admitted: float,

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ def _progress(total: int, enabled: bool, desc: str):  # type: ignore[no-untyped-
 
 def serve(exp: ExperimentConfig, schedule: str, target: Transformer, draft: Draft | None, *,
           requests: list[RealRequest], eos: frozenset[int], progress: bool,
-          extra: dict | None = None, probe: RunProbe | None = None) -> RunRecorder:
+          extra: dict | None = None, probe: RunProbe | None = None, group: Any = None) -> RunRecorder:
     """Serve the requests one after another; the schedule's summary fields go into ``extra``
     (with ``probe``'s, taken before every request)."""
     if not runs_on("real", schedule):
@@ -92,7 +93,7 @@ def serve(exp: ExperimentConfig, schedule: str, target: Transformer, draft: Draf
 
             if probe is not None:  # the machine as the run finds it, once: the requests overlap
                 probe.take(0)
-            serve_batched(ctx, requests, max_seq=cache_slots(exp, requests)[0])
+            serve_batched(ctx, requests, max_seq=cache_slots(exp, requests)[0], group=group)
         else:
             for i, req in enumerate(requests):
                 if probe is not None:
@@ -167,6 +168,7 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
                              cuda_graphs=exp.real.cuda_graphs)
     params = SamplingParams(exp.sampling.temperature, exp.sampling.top_k, exp.sampling.top_p)
     draft = make_draft(exp, target, tokenizer, params)
+    group = None if tp is None else tp[2]  # under load its leader admits for every rank
     if tp is not None:
         shard_models(target, draft, tp, exp.real.allreduce)
     requests = build_requests(exp, tokenizer, target.args.max_seq_len)
@@ -191,7 +193,8 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
         def measure(impl: str, extra: dict | None) -> RunRecorder:
             has_draft = spec(impl).drafts
             return serve(exp, impl, target, draft if has_draft else None, requests=requests, eos=eos,
-                         progress=progress, extra=extra, probe=probe if has_draft or not drafts else None)
+                         progress=progress, extra=extra, probe=probe if has_draft or not drafts else None,
+                         group=group)
         with telemetry if leader else contextlib.nullcontext():
             rec, baseline, repeat_fields = serve_interleaved(
                 schedule_impl(exp), exp.real.repeats, baseline=want_baseline, measure=measure, schedule_extra=schedule_extra, seed=exp.seed)
@@ -200,12 +203,13 @@ def _serve_all(exp: ExperimentConfig, tp: tuple[int, int, object] | None, leader
     else:
         with telemetry if leader else contextlib.nullcontext():
             rec = serve(exp, schedule_impl(exp), target, draft, requests=requests, eos=eos, progress=progress,
-                        extra=schedule_extra, probe=probe)
+                        extra=schedule_extra, probe=probe, group=group)
         baseline = None
     if want_baseline:
         key = baseline_key(exp, requests)
         if key not in _BASELINES:
-            _BASELINES[key] = serve(exp, BASELINE, target, None, requests=requests, eos=eos, progress=progress)
+            _BASELINES[key] = serve(exp, BASELINE, target, None, requests=requests, eos=eos, progress=progress,
+                                    group=group)
         baseline = _BASELINES[key]
     extra = {"draft": None if draft is None else draft.name, "dtype": real_dtype(exp),
              "threads": torch.get_num_threads(), "workload_split": exp.workload.split,

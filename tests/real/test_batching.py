@@ -235,7 +235,8 @@ def test_batched_sync_samples_the_target_distribution_at_temperature_1() -> None
     (("schedule=sync", "schedule.tree=true", "pair=smollm2_135m+ngram3"), "pair.draft.kind"),
     (("schedule=async", "pair=smollm2_135m+smollm2_eagle"), "pair.draft.kind"),
     (("schedule=sync", "lookahead.policy=oracle"), "lookahead.policy"),
-    (("schedule=ar", "placement.target_gpus=2"), "placement.target_gpus"),
+    (("schedule=sync", "schedule.tree=true", "placement.target_gpus=2", "placement.draft_gpus=2"),
+     "placement.target_gpus"),
     (("schedule=ar", "workload.concurrency=65"), "serving.max_batch=0"),  # 65 KV-cache rows
 ])
 def test_what_the_real_backend_cannot_batch_says_so(overrides: tuple[str, ...], says: str, tmp_path: Path) -> None:

@@ -62,6 +62,24 @@ def test_tensor_parallel_run_equals_the_single_process_run(tiny_pair, schedule, 
 
 
 
+@pytest.mark.parametrize("schedule", [SYNC, pytest.param(("schedule=ar",), marks=pytest.mark.slow)])
+def test_tensor_parallel_under_load_equals_the_single_process_run(tiny_pair, schedule) -> None:  # type: ignore[no-untyped-def]
+    """Three clients on a TP 2 group: its leader admits and tells the other rank, both serve the
+    same batched rounds (the native batched kernel all-reducing between layers); every request's
+    answer is the single-process `ar` answer, on the leader and on the other rank."""
+    target, draft = tiny_pair
+    common = ("backend=real", f"pair.target.path={target}", f"pair.draft.path={draft}",
+              "workload.num_prompts=4", "workload.max_new_tokens=16", "real.ignore_eos=true",
+              "real.progress=false")
+    alone = {r["request_id"]: r["output_ids"] for r in run(compose_exp(*common, "schedule=ar")).recorder.requests}
+    two = run(compose_exp(*common, *schedule, "workload.concurrency=3", "placement.target_gpus=2",
+                          "placement.draft_gpus=2"))  # (the ranks' outputs are compared in the run)
+    assert two.extra["processes"] == 2
+    assert {r["request_id"]: r["output_ids"] for r in two.recorder.requests} == alone
+    _, requests, timeline = two.recorder.frames()
+    assert timeline["batch"].max() == 3 and requests.arrival_s.notna().all()
+    assert live_workers() == []
+
 
 def _cli_runs(runs: dict[str, list[list[str]]], args: list[str], tmp_path) -> dict[str, list[list[int]]]:  # type: ignore[no-untyped-def]
     """Each named run: its commands started together (the nodes of one torchrun job), each with
