@@ -48,6 +48,7 @@ import threading
 import warnings
 import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -358,6 +359,22 @@ def _pack(model, lo: int, hi: int) -> tuple[object, _LayerDims] | None:
     return layer_ptrs, dims
 
 
+def _tp_hook(model, lo: int) -> tuple[Any, Any, Any] | None:  # model: real.model.decoder.Transformer
+    """(the group's all-reduce, its native function, its context), all None off tensor
+    parallelism; None where the fused layers must not run. Tensor parallel (real/model/tp.py):
+    the layers' partial sums are all-reduced inside the call through the group's native
+    callback; a group without one takes the op-by-op path, which sums after wo and w2. Never
+    run sharded layers without the sums."""
+    allreduce = getattr(model, "tp_allreduce", None)
+    if allreduce is not None:
+        hook = allreduce.native()
+        return None if hook is None else (allreduce, *hook)
+    if (model.layers[lo].attention.n_heads != model.args.n_heads
+            or model.layers[lo].feed_forward.w2.shape[1] != model.args.ffn_dim):
+        return None  # sharded without an all-reduce: not this kernel's to decide
+    return None, None, None
+
+
 def decode_layers(model, lo: int, hi: int, h: Tensor, *, cos: Tensor, sin: Tensor, pos: Tensor,
                   mask: Tensor | None, kv_len: int) -> Tensor | None:
     """Layers ``[lo, hi)`` of ``model`` (a real.model.decoder.Transformer) on ``h [1, T, dim]`` (T <= ``MAX_TOKENS``)
@@ -370,18 +387,10 @@ def decode_layers(model, lo: int, hi: int, h: Tensor, *, cos: Tensor, sin: Tenso
     t = h.shape[1]
     if t > MAX_TOKENS or h.dtype not in _CODES or cos.dtype != h.dtype:
         return None
-    # Tensor parallel (real/model/tp.py): the layers' partial sums are all-reduced inside the call
-    # through the group's native callback; a group without one takes the op-by-op path, whose
-    # module hooks all-reduce. Never run sharded layers without the sums.
-    allreduce, ar_fn, ar_ctx = getattr(model, "tp_allreduce", None), None, None
-    if allreduce is not None:
-        hook = allreduce.native()
-        if hook is None:
-            return None
-        ar_fn, ar_ctx = hook
-    elif (model.layers[lo].attention.n_heads != model.args.n_heads
-          or model.layers[lo].feed_forward.w2.shape[1] != model.args.ffn_dim):
-        return None  # sharded without an all-reduce: not this kernel's to decide
+    hook = _tp_hook(model, lo)
+    if hook is None:
+        return None
+    allreduce, ar_fn, ar_ctx = hook
     packed = _pack(model, lo, hi)
     if packed is None or _CODES[h.dtype] != packed[1].dtype:
         return None
@@ -416,13 +425,10 @@ def batch_layers(model, h: Tensor, *, hi: int, cos: Tensor, sin: Tensor, slots: 
     t = h.shape[1]
     if t > MAX_TOKENS or h.dtype not in _CODES or cos.dtype != h.dtype or hi <= lo:
         return None
-    # tensor parallel: the layers' partial sums all-reduced inside the call, as ``decode_layers``
-    allreduce, ar_fn, ar_ctx = getattr(model, "tp_allreduce", None), None, None
-    if allreduce is not None:
-        hook = allreduce.native()
-        if hook is None:
-            return None
-        ar_fn, ar_ctx = hook
+    hook = _tp_hook(model, lo)
+    if hook is None:
+        return None
+    allreduce, ar_fn, ar_ctx = hook
     packed = _pack(model, lo, hi)
     if packed is None or _CODES[h.dtype] != packed[1].dtype:
         return None
