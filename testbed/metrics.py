@@ -145,10 +145,11 @@ def mean_in_flight(requests: pd.DataFrame) -> float:
     """The time-weighted mean number of requests admitted and not yet answered, from the first
     admission to the last answer: a batched server's running batch with its prefills, and what a
     pipeline carries at once (whose stages each work on one request: ``mean_batch`` 1)."""
-    if not len(requests):
+    admit, finish = requests["arrival_s"] + requests["queue_s"], requests["finish_s"]
+    known = admit.notna() & finish.notna()  # (rows recorded without their load times: none)
+    if not known.any():
         return float("nan")
-    admit = requests["arrival_s"] + requests["queue_s"]
-    events = pd.concat([pd.Series(1, index=admit.values), pd.Series(-1, index=requests["finish_s"].values)])
+    events = pd.concat([pd.Series(1, index=admit[known].values), pd.Series(-1, index=finish[known].values)])
     events = events.groupby(level=0).sum().sort_index()
     level = events.cumsum()
     times = events.index.to_numpy(dtype=float)
