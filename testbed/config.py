@@ -110,17 +110,22 @@ class ModelConfig:
     mlp: str = "swiglu"  # swiglu (gate, up, down) | gelu (fc, proj)
 
     @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: attention and MLP projections, its two norms."""
+        hd = self.head_dim or (self.hidden // max(self.heads, 1))
+        attn = self.hidden * hd * (self.heads + 2 * self.kv_heads) + self.heads * hd * self.hidden
+        mlp = (2 if self.mlp == "gelu" else 3) * self.hidden * self.ffn
+        return attn + mlp + 2 * self.hidden
+
+    @property
     def params(self) -> int:
         """Parameter count of a dense Llama-style decoder (embeddings included)."""
         if self.kind not in ("transformer", "eagle"):
             return 0
-        hd = self.head_dim or (self.hidden // max(self.heads, 1))
-        attn = self.hidden * hd * (self.heads + 2 * self.kv_heads) + self.heads * hd * self.hidden
-        mlp = (2 if self.mlp == "gelu" else 3) * self.hidden * self.ffn
         if self.kind == "eagle":  # its layer, fc and feature norm; embedding and LM head are the target's
-            return self.layers * (attn + mlp + 2 * self.hidden) + 2 * self.hidden * self.hidden + 2 * self.hidden
+            return self.layers * self.layer_params + 2 * self.hidden * self.hidden + 2 * self.hidden
         emb = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.layers * (attn + mlp + 2 * self.hidden) + emb + self.hidden
+        return self.layers * self.layer_params + emb + self.hidden
 
     def stage_share(self, lo: int, hi: int) -> float:
         """The share of a forward's weight reads that a pipeline stage of layers ``[lo, hi)``
@@ -130,10 +135,7 @@ class ModelConfig:
         60.5 %); layers/total for a model without its shapes."""
         if self.kind != "transformer" or not (self.hidden and self.heads and self.vocab and self.layers):
             return (hi - lo) / max(self.layers, 1)
-        hd = self.head_dim or (self.hidden // self.heads)
-        per_layer = (self.hidden * hd * (self.heads + 2 * self.kv_heads) + self.heads * hd * self.hidden
-                     + (2 if self.mlp == "gelu" else 3) * self.hidden * self.ffn)
-        head = self.vocab * self.hidden
+        per_layer, head = self.layer_params, self.vocab * self.hidden
         return ((hi - lo) * per_layer + (head if hi >= self.layers else 0)) / (self.layers * per_layer + head)
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from real.model.batch import CacheRows, Feed, forward_batch, forward_batch_features
 from real.model.drafts import ChainWindow, Draft, EarlyExitDraft, ModelDraft, NgramDraft
@@ -176,8 +177,6 @@ def _admissions(ctx: RealContext, arrivals: WallClockArrivals, queue: Admission,
     """(now, the requests admitted now with their arrival times), after waiting for one when
     none runs or waits. In a tensor-parallel group the leader decides and sends the decision to
     the other ranks, so that every rank serves the same rounds (and enters the same collectives)."""
-    import torch.distributed as dist
-
     leader = group is None or dist.get_rank(group) == 0
     now, taken = 0.0, []
     if leader:
