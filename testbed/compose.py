@@ -98,10 +98,6 @@ def to_experiment(cfg: DictConfig | dict) -> ExperimentConfig:
         cfg.network.bandwidth_gbit_s = 8.0 * float(old)  # it held gigabytes per second
     merged = OmegaConf.merge(_schema(), cfg)  # (merge copies its first argument)
     exp = OmegaConf.to_object(merged)
-    if exp.backend == "real" and exp.real.dtype == "auto":  # resolved once: runs record the dtype used
-        from kernels import preferred_dtype
-
-        exp.real.dtype = preferred_dtype(exp.real.device)
     assert isinstance(exp, ExperimentConfig)
     if not exp.pair.name:
         exp.pair.name = f"{exp.pair.target.name}+{exp.pair.draft.name}"

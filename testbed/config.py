@@ -306,7 +306,7 @@ def workload_names() -> list[str]:
 
 def real_dtype(exp: ExperimentConfig) -> str:
     """The dtype a real run of ``exp`` uses: ``real.dtype``, with ``auto`` resolved for this host
-    (``kernels.preferred_dtype``; ``to_experiment`` resolves it already for backend=real, a sweep's
+    (``kernels.preferred_dtype``; ``validate`` resolves it already for backend=real, a sweep's
     base experiment of another backend keeps ``auto``)."""
     if exp.real.dtype != "auto":
         return exp.real.dtype

@@ -13,6 +13,7 @@ from testbed.config import (
     ConfigError,
     ExperimentConfig,
     ModelConfig,
+    real_dtype,
     workload_names,
 )
 from testbed.schedules import (
@@ -192,7 +193,10 @@ def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type
 
 
 def validate(exp: ExperimentConfig) -> ExperimentConfig:
-    """Raise ConfigError on the first bad value; return the config unchanged otherwise."""
+    """Raise ConfigError on the first bad value; otherwise return the config, with a real run's
+    ``real.dtype=auto`` resolved for this host (runs record the dtype they used). Resolving asks
+    the native kernels (torch, ~2 s to import), so it waits until the values are known good: a
+    bad override of a real run is refused as fast as a simulated one's."""
     _choice("backend", exp.backend, backends.names())
     _int_range("seed", exp.seed, 0)
     s = exp.schedule
@@ -302,4 +306,6 @@ def validate(exp: ExperimentConfig) -> ExperimentConfig:
     _int_range("sim.prediction_resamples", exp.sim.prediction_resamples, 0, 10000)
     _float_range("real.recv_timeout_s", exp.real.recv_timeout_s, lo=0.0, hi=3600.0, lo_open=True)
     _choice("real.allreduce", exp.real.allreduce, ("shm", "gloo"))
+    if exp.backend == "real" and exp.real.dtype == "auto":
+        exp.real.dtype = real_dtype(exp)
     return exp

@@ -301,13 +301,13 @@ def test_bundled_eagle_pair_async_equals_ar_at_temperature_0_in_process() -> Non
     """The shipped head (models/smollm2-eagle) in bf16 (real.dtype=auto), both groups' ranks as
     the worker processes run them; every reply carries the target's bf16 features."""
     exp = compose_exp("backend=real", "schedule=async", "pair=smollm2_135m+smollm2_eagle",
-                      "workload.num_prompts=2", "workload.max_new_tokens=24", "real.ignore_eos=true",
+                      "workload.num_prompts=1", "workload.max_new_tokens=16", "real.ignore_eos=true",
                       "real.progress=false")
     assert exp.real.dtype == "bf16"
     run = _async_ranks(exp)
     target, draft, sent = run.target, run.draft, run.sent
     assert target.outputs == [r["output_ids"] for r in target.baseline.requests]
-    assert all(len(o) == 24 for o in target.outputs)
+    assert all(len(o) == 16 for o in target.outputs)
     assert draft.extra["tree_depth_used"] >= 1
     rounds = run.rec.frames()[0]
     assert rounds.accepted.sum() > 0 and (rounds.verified_tokens > 1).all()

@@ -97,6 +97,7 @@ def test_decentralized_equals_single_process_ar_at_temperature_0(tiny_pair, sing
     assert live_workers() == []
 
 
+@pytest.mark.slow  # the runner-agnostic run_repeated: the default run has async's (test_real_async)
 def test_decentralized_repeats_alternate_whole_runs_with_ar(tiny_pair, single_process_ar) -> None:  # type: ignore[no-untyped-def]
     """real.repeats=2 under DSD's pipeline (was silently ignored): two whole runs, each the
     schedule then ar over the pipeline, and intervals over both."""
