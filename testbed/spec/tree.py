@@ -49,6 +49,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 
@@ -71,7 +72,7 @@ class DraftTree:
     priorities: list[float] = field(init=False)  # sum of priors from the root: the heap key
     dists: list[torch.Tensor | None] = field(init=False)  # q at the node once expanded
     slots: list[int] = field(init=False)  # tree KV slot, -1 until expanded
-    children: list[list[int]] = field(init=False)  # in draw order
+    children: list[Sequence[int]] = field(init=False)  # in draw order; () until expanded
     draw_index: list[int] = field(init=False)  # rank among the parent's children
     n_slots: int = field(init=False, default=0)
 
@@ -84,9 +85,10 @@ class DraftTree:
         self.root_token = root_token
         self.tokens, self.parents, self.depths = [root_token], [-1], [0]
         self.values, self.weights, self.priors, self.priorities = [0.0], [0.0], [0.0], [0.0]
-        self.dists, self.slots, self.children, self.draw_index = [None], [-1], [[]], [0]
+        self.dists, self.slots, self.children, self.draw_index = [None], [-1], [()], [0]
         self.n_slots = 0
-        self._frontier: list[tuple[float, int]] = [(0.0, 0)]  # (-priority, id) of unexpanded
+        self._frontier: list[tuple[float, int]] = [(0.0, 0)]  # (-priority, id): see leaves_to_expand
+        self._queued: list[int] = [0]  # per node: how many of its children entered the frontier
 
     # ---- queries -----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -119,16 +121,30 @@ class DraftTree:
 
     def leaves_to_expand(self, w: int) -> list[int]:
         """The w unexpanded nodes of highest priority (ties: lower id), best first."""
-        # the frontier is a heap that drops expanded nodes lazily (when they surface here):
-        # rebuilding it on every expansion cost O(tree) and dominated the simulator's async runs
-        heap, best = self._frontier, []
+        # The frontier is a heap of unexpanded nodes that holds, of each node's children (whose
+        # priorities fall with their rank), only those up to the best unexpanded one: popping a
+        # child queues its next sibling, so nodes leave the heap in the order a heap of every
+        # unexpanded node would give, while it holds O(expanded) entries, not O(tree) — pushing
+        # every child of every expansion dominated the simulator's async runs under load.
+        # Expanded nodes are dropped lazily, when they surface here.
+        heap, best, slots = self._frontier, [], self.slots
         while heap and len(best) < w:
             entry = heapq.heappop(heap)
-            if self.slots[entry[1]] < 0:
+            self._queue_next_sibling(entry[1])
+            if slots[entry[1]] < 0:
                 best.append(entry)
         for entry in best:
             heapq.heappush(heap, entry)
         return [node for _, node in best]
+
+    def _queue_next_sibling(self, node: int) -> None:
+        parent = self.parents[node]
+        if parent >= 0 and self._queued[parent] == self.draw_index[node] + 1:
+            siblings = self.children[parent]
+            if len(siblings) > self._queued[parent]:
+                nxt = siblings[self._queued[parent]]
+                heapq.heappush(self._frontier, (-self.priorities[nxt], nxt))
+                self._queued[parent] += 1
 
     def positions(self, node_ids: Sequence[int]) -> torch.Tensor:
         """Position ids prefix_len + depth."""
@@ -193,29 +209,31 @@ class DraftTree:
             w_parent, prio_parent, depth = self.weights[node], self.priorities[node], self.depths[node] + 1
             ps = child_p[j]
             # support exhausted at the first zero (ranks and draws are sorted by probability)
-            m = next((i for i, p in enumerate(ps) if p <= 0.0), c)
+            m = c if ps[-1] > 0.0 else next((i for i, p in enumerate(ps) if p <= 0.0), c)
             if m == 0:
                 continue
             # whole children at once (list.extend): the simulator's async draft grows ~10^3
-            # nodes per round and re-simulates runs for prediction intervals
-            values = [math.log(p) for p in ps[:m]]
-            priors = values if self.mode == "topk" else [math.log(p) for p in rank_p[j][:m]]
+            # nodes per round per request and re-simulates runs for prediction intervals
+            values = list(map(math.log, ps if m == c else ps[:m]))
+            priors = values if self.mode == "topk" else list(map(math.log, rank_p[j][:m]))
             ids = range(len(self.tokens), len(self.tokens) + m)
-            self.tokens.extend(child_tok[j][:m])
-            self.parents.extend([node] * m)
-            self.depths.extend([depth] * m)
+            self.tokens.extend(child_tok[j] if m == c else child_tok[j][:m])
+            self.parents.extend(repeat(node, m))
+            self.depths.extend(repeat(depth, m))
             self.values.extend(values)
             self.weights.extend([w_parent + v for v in values])
             self.priors.extend(priors)
             self.priorities.extend([prio_parent + p for p in priors])
-            self.dists.extend([None] * m)
-            self.slots.extend([-1] * m)
-            self.children.extend([] for _ in range(m))
+            self.dists.extend(repeat(None, m))
+            self.slots.extend(repeat(-1, m))
+            self.children.extend(repeat((), m))  # an unexpanded node's children: a shared ()
             self.draw_index.extend(range(m))
-            self.children[node].extend(ids)
+            self._queued.extend(repeat(0, m))
+            self.children[node] = list(ids)
             new.extend(ids)
-        for n in new:  # (the expanded nodes' entries leave the heap in leaves_to_expand)
-            heapq.heappush(self._frontier, (-self.priorities[n], n))
+            # its best child enters the frontier, the others one by one (leaves_to_expand)
+            heapq.heappush(self._frontier, (-self.priorities[ids[0]], ids[0]))
+            self._queued[node] = 1
         return new
 
     # ---- verification batch ------------------------------------------------------------
@@ -319,7 +337,7 @@ class DraftTree:
         self.priors = [priors[n] if i else 0.0 for i, n in enumerate(kept)]
         self.dists = [dists[n] for n in kept]
         self.slots = [slot_map.get(slots[n], -1) for n in kept]
-        self.children = [[node_map[c] for c in children[n]] for n in kept]
+        self.children = [[node_map[c] for c in children[n]] if children[n] else () for n in kept]
         self.draw_index = [draw_index[n] if i else 0 for i, n in enumerate(kept)]
         # cumulative sums restart at the new root (parents precede children in id order)
         self.weights, self.priorities = [0.0] * len(kept), [0.0] * len(kept)
@@ -329,5 +347,14 @@ class DraftTree:
             self.priorities[i] = self.priorities[par] + self.priors[i]
         self.root_token = self.tokens[0]
         self.n_slots = len(slot_map)
-        self._frontier = [(-self.priorities[i], i) for i in range(len(kept)) if self.slots[i] < 0]
+        # the frontier (leaves_to_expand): the root if unexpanded, and each node's children up
+        # to its best unexpanded one
+        self._frontier = [(-self.priorities[0], 0)] if self.slots[0] < 0 else []
+        self._queued = [0] * len(kept)
+        for i, kids in enumerate(self.children):
+            for kid in kids:
+                self._queued[i] += 1
+                if self.slots[kid] < 0:
+                    self._frontier.append((-self.priorities[kid], kid))
+                    break
         heapq.heapify(self._frontier)

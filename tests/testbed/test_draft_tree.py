@@ -138,7 +138,7 @@ def check_tree(tree: DraftTree) -> None:
             assert tree.priors[v] == tree.values[v]
     for v in range(n):
         kids = tree.children[v]
-        assert kids == sorted(kids)
+        assert list(kids) == sorted(kids)
         assert [tree.draw_index[k] for k in kids] == list(range(len(kids)))
         assert len({tree.tokens[k] for k in kids}) == len(kids)  # distinct tokens among siblings
         assert all(tree.priorities[a] >= tree.priorities[b] for a, b in zip(kids, kids[1:]))
@@ -160,7 +160,7 @@ def check_selection(tree: DraftTree, bs: int) -> None:
     for i, kids in enumerate(batch.children):
         # the selected children of a node are the first ones it drew
         assert [batch.draw_index[k] for k in kids] == list(range(len(kids)))
-        assert [chosen[k] for k in kids] == tree.children[chosen[i]][: len(kids)]
+        assert [chosen[k] for k in kids] == list(tree.children[chosen[i]][: len(kids)])
     # (e) ancestor mask and positions
     mask = batch.attention_mask
     assert mask.shape == (len(chosen), len(chosen))
