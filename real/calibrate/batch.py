@@ -45,22 +45,65 @@ def add_batch_probes(pr: Any, model: Any, *, name: str, role: str, batches: list
     prompt = torch.randint(vocab, (BATCH_CONTEXT,), generator=gen).tolist()
     for r in range(1, max(batches) + 1):
         rows.prefill(r, prompt)
+
+    def probe(b: int, k: int, params: SamplingParams) -> Callable[[], None]:
+        feeds = [Feed(r, torch.randint(vocab, (k,), generator=gen).tolist(), BATCH_CONTEXT)
+                 for r in range(1, b + 1)]
+        if role == "target":
+            def fn() -> None:
+                for lg in forward_batch(model, feeds):
+                    standardize(lg, params)
+        else:
+            def fn() -> None:
+                for lg in forward_batch(model, feeds):
+                    q = standardize(lg[-1], params)
+                    _ = int(q.argmax()) if params.greedy else sample(q, gen)
+        return fn
+    return _register(pr, name, batches, ks, probe)
+
+
+def add_eagle_batch_probes(pr: Any, draft: Any, *, name: str, batches: list[int],
+                           ks: list[int]) -> Callable[[], dict[str, Any]]:
+    """The same table for an eagle head (``draft``: an ``EagleDraft`` of its own, whose head's
+    cache this takes over): one batched draft step of B requests as the batched server runs it
+    (real/runtime/batching.py: ``eagle_rows_logits`` — the fc and the head's layer over every
+    request's row, the target's LM head once over the batch — then each request's pick). The
+    step's cost does not depend on the features' values, so zeros stand in for them."""
+    from real.model.batch import CacheRows
+    from real.model.eagle import RowEagleDraft, eagle_rows_logits
+    from testbed.spec.sampling import SamplingParams, sample, standardize
+
+    gen = torch.Generator().manual_seed(7)
+    head, target = draft.head, draft.target
+    rows = CacheRows(head.body, max(batches), BATCH_CONTEXT + max(ks) + 2)
+    zeros = torch.zeros(BATCH_CONTEXT + max(ks), target.args.dim, dtype=target.dtype, device=target.device)
+    requests = []
+    for r in range(1, max(batches) + 1):
+        d = RowEagleDraft(head, target, draft.params, name, rows=rows, row=r)
+        d.take_features(0, zeros)  # slots 1..BATCH_CONTEXT-1 of its row: attended, values immaterial
+        requests.append(d)
+
+    def probe(b: int, k: int, params: SamplingParams) -> Callable[[], None]:
+        steps = [(d, torch.randint(target.args.vocab_size, (k,), generator=gen).tolist(), BATCH_CONTEXT)
+                 for d in requests[:b]]
+
+        def fn() -> None:
+            for lg in eagle_rows_logits(steps):
+                q = standardize(lg, params)
+                _ = int(q.argmax()) if params.greedy else sample(q, gen)
+        return fn
+    return _register(pr, name, batches, ks, probe)
+
+
+def _register(pr: Any, name: str, batches: list[int], ks: list[int],
+              probe: Callable[[int, int, Any], Callable[[], None]]) -> Callable[[], dict[str, Any]]:
+    """One probe per (temperature class, B, k); the builder of the ``batch`` table."""
+    from testbed.spec.sampling import SamplingParams
+
     for cls, temp in TEMPERATURES.items():
-        params = SamplingParams(temperature=temp)
         for b in batches:
             for k in ks:
-                feeds = [Feed(r, torch.randint(vocab, (k,), generator=gen).tolist(), BATCH_CONTEXT)
-                         for r in range(1, b + 1)]
-                if role == "target":
-                    def fn(feeds=feeds, params=params) -> None:
-                        for lg in forward_batch(model, feeds):
-                            standardize(lg, params)
-                else:
-                    def fn(feeds=feeds, params=params, greedy=temp == 0.0) -> None:
-                        for lg in forward_batch(model, feeds):
-                            q = standardize(lg[-1], params)
-                            _ = int(q.argmax()) if greedy else sample(q, gen)
-                pr.add((name, "batch", cls, b, k), fn)
+                pr.add((name, "batch", cls, b, k), probe(b, k, SamplingParams(temperature=temp)))
 
     def build() -> dict[str, Any]:
         out = {}

@@ -277,15 +277,19 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, *, grid: Grid 
             # batched forwards (continuous batching) in the same passes: interleaved with the
             # one-request probes, they are timed in the same regime as the tables a run's probe
             # forward corrects (real/calibrate/batch.py)
-            from real.calibrate.batch import add_batch_probes
+            from real.calibrate.batch import add_batch_probes, add_eagle_batch_probes
+            from real.model.eagle import EagleDraft
 
             batched = {t.name: ("target", target)}
             for d in drafts_to_measure(exp):
-                if d.kind == "transformer" and d.name in builders:
-                    batched[d.name] = ("draft", _make_draft(exp, d, target, tokenizer, params=SamplingParams()).model)
-            batch_builders = {name: add_batch_probes(pr, model, name=name, role=role, batches=grid.batches,
-                                                     ks=grid.batch_target_k if role == "target" else grid.batch_draft_k)
-                              for name, (role, model) in batched.items()}
+                if d.kind in ("transformer", "eagle") and d.name in builders:
+                    batched[d.name] = ("draft", _make_draft(exp, d, target, tokenizer, params=SamplingParams()))
+            batch_builders = {
+                name: add_eagle_batch_probes(pr, model, name=name, batches=grid.batches, ks=grid.batch_draft_k)
+                if isinstance(model, EagleDraft) else
+                add_batch_probes(pr, getattr(model, "model", model), name=name, role=role, batches=grid.batches,
+                                 ks=grid.batch_target_k if role == "target" else grid.batch_draft_k)
+                for name, (role, model) in batched.items()}
             log(f"{len(pr.fns)} probes x {grid.repeats} interleaved passes; models: {', '.join(builders)}")
             # the probe a prediction repeats to correct for drift (sim.profile_drift=forward),
             # around the tables it stands for

@@ -18,6 +18,7 @@ def test_quick_calibration_feeds_the_profile_cost_model(tmp_path: Path, monkeypa
     from functools import partial
 
     from real.calibrate import tree as calibrate_tree
+    from real.calibrate.batch import BATCH_CONTEXT
     from real.calibrate.profile import PROFILE_THREADS, SCHEMA, TEMPERATURES, Grid, calibrate
     from sim.cost.profile import ProfileCost
     from sim.runtime.engine import run as sim_run
@@ -51,6 +52,10 @@ def test_quick_calibration_feeds_the_profile_cost_model(tmp_path: Path, monkeypa
     assert batch["batch"] == grid.batches and batch["k"] == grid.batch_target_k
     assert len(batch["seconds"]) == len(grid.batches) and all(v > 0 for row in batch["seconds"] for v in row)
     assert "batch" not in prof["models"]["smollm2_exit10"]  # shares the target's forward: not batched
+    for draft in ("smollm2_draft", "smollm2_eagle"):  # a draft model's steps, an eagle head's batched steps
+        batch = prof["models"][draft]["batch"]["greedy"]
+        assert batch["batch"] == grid.batches and batch["k"] == grid.batch_draft_k
+        assert all(v > 0 for row in batch["seconds"] for v in row)
     for row in fwd["seconds"]:  # smoothed tables never decrease in k
         assert all(b >= a > 0 for a, b in zip(row, row[1:]))
     sim = compose_exp("pair=smollm2_135m+smollm2_exit10", "hardware=local", "sim.cost_model=profile",
@@ -60,6 +65,11 @@ def test_quick_calibration_feeds_the_profile_cost_model(tmp_path: Path, monkeypa
     assert cost.forward("target", 5, 40) > cost.forward("draft", 1, 40) > 0
     summary = sim_run(sim).recorder.frames()[1]
     assert summary["tokens_per_s"].iloc[0] > 0
+    # under load an eagle head's batched steps are priced from its own table, not added up
+    eagle = ProfileCost(compose_exp("pair=smollm2_135m+smollm2_eagle", "hardware=local", "sim.cost_model=profile",
+                                    f"sim.profile_path={path}"))
+    two = prof["models"]["smollm2_eagle"]["batch"]["greedy"]["seconds"][grid.batches.index(2)][0]
+    assert eagle.batch_forward("draft", [(1, BATCH_CONTEXT)] * 2) == pytest.approx(two)
 
 
 @pytest.mark.slow
