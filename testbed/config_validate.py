@@ -173,9 +173,6 @@ def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type
         raise ConfigError("pair.draft.kind", kind, f"transformer or ngram under load ({load}) with "
                           f"{spec.name}{' schedule.tree=true' if exp.schedule.tree else ''} on backend=real: "
                           "an eagle head serves the sync chain's batched rounds only (schedule=sync)")
-    if spec.drafts and exp.lookahead.policy == "oracle":
-        raise ConfigError("lookahead.policy", "oracle", f"another policy under load ({load}) on backend=real: "
-                          "the oracle's untimed reference continuation cannot run beside the wall clock")
     w, cap = exp.workload, exp.serving.max_batch
     in_flight = w.concurrency if w.arrival == "closed" else w.num_prompts if w.arrival == "poisson" \
         else len(read_trace(w.trace_path))

@@ -52,7 +52,7 @@ from testbed.admission import Admission, count_round, span_request
 from testbed.arrivals import arrival_times
 from testbed.recorder import RequestRecord
 from testbed.schedules import spec_of
-from testbed.spec.lookahead import lookahead_for
+from testbed.spec.lookahead import OracleLookahead, lookahead_for
 from testbed.spec.sampling import sample, standardize
 from testbed.spec.speculative import speculative_step
 from testbed.spec.tree_drafter import DraftRowSample, TreeDrafter, TreeKvStats
@@ -123,6 +123,7 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
     tensor-parallel group this rank serves in (its leader admits, ``_admissions``)."""
     exp = ctx.exp
     target = ctx.target.model
+    references = _oracle_references(ctx, requests)  # before the clock starts and the rows exist
     rows = batch_rows(exp, len(requests))
     target_rows = CacheRows(target, rows, max_seq)
     draft_model = ctx.draft.model if isinstance(ctx.draft, ModelDraft) else None
@@ -146,8 +147,8 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
     while finished < len(requests):
         now, taken = _admissions(ctx, arrivals, queue, len(running), group=group, by_id=by_id)
         # admitted together, then prefilled one after the other
-        admitted = [_admit(ctx, req, arrived=t, admitted=now, target_rows=target_rows, draft_rows=draft_rows)
-                    for req, t in taken]
+        admitted = [_admit(ctx, req, arrived=t, admitted=now, target_rows=target_rows, draft_rows=draft_rows,
+                           reference=references.get(req.request_id)) for req, t in taken]
         if meet is not None:
             for a in admitted:
                 _grow_tree(ctx, a, meet, target_rows=target_rows, draft_rows=draft_rows)
@@ -194,9 +195,28 @@ def _admissions(ctx: RealContext, arrivals: WallClockArrivals, queue: Admission,
     return now, taken  # type: ignore[return-value]
 
 
+def _oracle_references(ctx: RealContext, requests: list[RealRequest]) -> dict[int, list[int]]:
+    """The oracle policy's reference of every request (temperature 0: the target's greedy
+    sequence), untimed as the one-request schedule's (real/schedules/sync.py): generated one
+    request after another before serving starts, since under load they cannot be generated
+    beside the wall clock. Empty for every other policy."""
+    if ctx.draft is None or not isinstance(lookahead_for(ctx.exp), OracleLookahead):
+        return {}
+    from real.model.generate import greedy_generate
+
+    target, out = ctx.target.model, {}
+    for req in requests:
+        ids = list(req.prompt_ids)
+        room = target.max_seq - len(ids)
+        out[req.request_id] = ids + greedy_generate(target, ids, min(room, req.max_new_tokens + ctx.exp.schedule.gamma),
+                                                    sorted(ctx.eos))
+    return out
+
+
 def _admit(ctx: RealContext, req: RealRequest, *, arrived: float, admitted: float,
-           target_rows: CacheRows, draft_rows: CacheRows | None) -> Active:
-    """Prefill a request into its own cache rows (one request at a time, the batch waiting)."""
+           target_rows: CacheRows, draft_rows: CacheRows | None, reference: list[int] | None = None) -> Active:
+    """Prefill a request into its own cache rows (one request at a time, the batch waiting);
+    ``reference``: the oracle policy's (``_oracle_references``)."""
     rid, ids = req.request_id, list(req.prompt_ids)
     a = Active(req, arrival_s=arrived, admit_s=admitted, row=target_rows.acquire(),
                gen=ctx.generator(rid), ids=ids)
@@ -206,6 +226,9 @@ def _admit(ctx: RealContext, req: RealRequest, *, arrived: float, admitted: floa
     ctx.rec.span("target", "prefill", s, m, request_id=rid)
     if ctx.draft is not None:
         a.policy = lookahead_for(ctx.exp)
+        if isinstance(a.policy, OracleLookahead):
+            assert reference is not None, "the oracle policy needs its reference (_oracle_references)"
+            a.policy.reference = reference
         if isinstance(ctx.draft, EagleDraft):  # its row of the head's cache
             assert draft_rows is not None
             a.draft_row = draft_rows.acquire()
