@@ -6,7 +6,9 @@ Logits are the real next-token logits of the bundled target and of the trained d
 HumanEval prompt (``--logits model``), or heavy-tailed random ones (``--logits random``: a flat
 nucleus of thousands of tokens, the worst case). Every figure is the best of ``--repeats``
 (the machine is shared: the minimum is what the code costs), per distribution, for the fast
-path (``standardize``) and the full sort it replaced (``full_sort``, kept here as the "before").
+path (``standardize``) and the full sort it replaced (``full_sort``, kept here as the "before");
+then the draw of one token from each standardized distribution (``sample``: the CDF inverted at
+one uniform) beside ``torch.multinomial`` (the draw it replaced).
 
     taskset -c 1 python benchmarks/bench_sampling.py --logits model
 """
@@ -21,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from testbed.spec.sampling import SamplingParams, standardize
+from testbed.spec.sampling import SamplingParams, sample, standardize
 
 MODES = {
     "greedy": SamplingParams(0.0),
@@ -94,6 +96,15 @@ def main() -> None:
         for rows in sets.values():
             cells += f"{best_ms(full_sort, rows, params, args.repeats):>16.3f}"
             cells += f"{best_ms(standardize, rows, params, args.repeats):>16.3f}"
+        print(f"{name:<24}{cells}")
+    gen = torch.Generator().manual_seed(0)
+    draws = {"torch.multinomial": lambda p, _: torch.multinomial(p, 1, generator=gen),
+             "sample": lambda p, _: sample(p, gen)}
+    print("one draw from a standardized distribution (T=0.7), ms")
+    print(f"{'draw':<24}" + "".join(f"{k:>16}" for k in sets))
+    for name, fn in draws.items():
+        cells = "".join(f"{best_ms(fn, standardize(rows, MODES['T=0.7']), MODES['T=0.7'], args.repeats):>16.3f}"
+                        for rows in sets.values())
         print(f"{name:<24}{cells}")
 
 
