@@ -182,11 +182,11 @@ def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type
                           "the longest request's slots from admission")
     pl = exp.placement
     tp = max(pl.target_gpus, pl.draft_gpus if spec.drafts else 1)
-    if tp > 1 and (spec.layout != SINGLE or spec.tree or exp.schedule.tree or kind == "eagle"):
+    if tp > 1 and (spec.layout != SINGLE or spec.tree or exp.schedule.tree):
         raise ConfigError("placement.target_gpus" if pl.target_gpus > 1 else "placement.draft_gpus", tp,
                           f"1 under load ({load}) with {spec.name}{' schedule.tree=true' if exp.schedule.tree else ''}"
-                          f"{' and an eagle head' if kind == 'eagle' else ''} on backend=real: tensor parallelism "
-                          "serves the batched rounds of `ar` and the sync chain")
+                          " on backend=real: tensor parallelism serves the batched rounds of `ar` and the sync "
+                          "chain")
 
 
 def validate(exp: ExperimentConfig) -> ExperimentConfig:
