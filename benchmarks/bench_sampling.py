@@ -8,7 +8,10 @@ nucleus of thousands of tokens, the worst case). Every figure is the best of ``-
 (the machine is shared: the minimum is what the code costs), per distribution, for the fast
 path (``standardize``) and the full sort it replaced (``full_sort``, kept here as the "before");
 then the draw of one token from each standardized distribution (``sample``: the CDF inverted at
-one uniform) beside ``torch.multinomial`` (the draw it replaced).
+one uniform) beside ``torch.multinomial`` (the draw it replaced); with ``--verify`` also a
+verification's share: standardizing the γ + 1 rows of the target's logits at once plus one draw
+(Algorithm 1's residual or bonus token), against that (γ + 1)-token forward of the bundled target
+in the dtype real runs use (``real.dtype=auto``), after 200 cached tokens.
 
     taskset -c 1 python benchmarks/bench_sampling.py --logits model
 """
@@ -81,6 +84,8 @@ def main() -> None:
     ap.add_argument("--logits", choices=["model", "random"], default="model")
     ap.add_argument("--rows", type=int, default=16, help="distributions per measurement")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--verify", type=int, nargs="*", default=None, metavar="K",
+                    help="also a K-row verification's sampling against its forward (default K: 2 5 9)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.logits == "model":
@@ -106,6 +111,47 @@ def main() -> None:
         cells = "".join(f"{best_ms(fn, standardize(rows, MODES['T=0.7']), MODES['T=0.7'], args.repeats):>16.3f}"
                         for rows in sets.values())
         print(f"{name:<24}{cells}")
+    if args.verify is not None:
+        verify_share(args.verify or [2, 5, 9], args.repeats)
+
+
+def verify_share(ks: list[int], repeats: int) -> None:
+    """Per K and sampling mode: ms of standardize over K rows + one draw, and its % of the
+    K-token forward that produced them (both best of ``repeats``)."""
+    from kernels import preferred_dtype
+    from real.model.weights import load_model
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[preferred_dtype("cpu")]
+    model, tok = load_model(None, dtype=dtype, max_seq=512)
+    with open("data/humaneval.jsonl") as f:  # a prompt of > 200 tokens: its text continues the context
+        ids = next(i for i in (tok.encode(json.loads(line)["prompt"]) for line in f) if len(i) > 200 + max(ks))
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        model(torch.tensor([ids[:200]]), input_pos=0)
+        print(f"a verification's sampling against its forward ({preferred_dtype('cpu')}, 200 cached tokens)")
+        print(f"{'mode':<24}" + "".join(f"{f'K={k} ms':>12}{f'K={k} %':>10}" for k in ks))
+        forwards, logits = {}, {}
+        for k in ks:
+            x = torch.tensor([ids[200:200 + k]])
+            best = float("inf")
+            for _ in range(repeats):
+                s = time.perf_counter()
+                out = model(x, input_pos=200)  # the same slots each time
+                best = min(best, time.perf_counter() - s)
+            forwards[k], logits[k] = best, out[0].float()
+        for name, params in MODES.items():
+            if params.greedy:
+                continue
+            cells = ""
+            for k in ks:
+                best = float("inf")
+                for _ in range(repeats):
+                    s = time.perf_counter()
+                    sample(standardize(logits[k], params)[-1], gen)
+                    best = min(best, time.perf_counter() - s)
+                cells += f"{best * 1e3:>12.3f}{100 * best / forwards[k]:>9.1f}%"
+            print(f"{name:<24}{cells}")
+        print(f"{'forward ms':<24}" + "".join(f"{forwards[k] * 1e3:>12.2f}{'':>10}" for k in ks))
 
 
 if __name__ == "__main__":

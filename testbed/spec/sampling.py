@@ -49,19 +49,24 @@ def standardize(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     top_k = params.top_k if 0 < params.top_k < vocab else 0
     if top_k:
         vals, idx, n_ge = _topk(x, top_k)  # sorted, descending
-        if bool((n_ge == top_k).all()):
-            # no tie at the k-th value: the kept set is exactly (vals, idx), already sorted
-            probs = torch.softmax(vals, dim=-1)
-            if params.top_p < 1.0:
-                return _keep_head(x, probs, idx, params.top_p)
-            return torch.zeros(x.shape, dtype=torch.float32, device=x.device).scatter_(-1, idx, probs)
-        x = x.masked_fill(x < vals[..., -1:], float("-inf"))  # ties kept, as HF does
+        if not bool((n_ge == top_k).all()):
+            # ties at the k-th value are kept, as HF does: each row's n_ge values >= it are its
+            # n_ge best (bf16 logits tie there more often than not); the wider top-k holds them
+            # all, and a row's entries past its own count are masked (they add exact zeros)
+            wide = int(n_ge.max())
+            vals, idx, _ = _topk(x, wide)
+            vals = vals.masked_fill(torch.arange(wide, device=x.device) >= n_ge[..., None], float("-inf"))
+        # the kept set is (vals, idx), already sorted: no pass over the vocabulary
+        probs = torch.softmax(vals, dim=-1)
+        if params.top_p < 1.0:
+            return _keep_head(x, probs, idx, params.top_p)
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).scatter_(-1, idx, probs)
     if params.top_p >= 1.0:
         return torch.softmax(x, dim=-1)
-    return nucleus(x, params.top_p, candidates=top_k)
+    return nucleus(x, params.top_p)
 
 
-def nucleus(x: torch.Tensor, top_p: float, *, candidates: int = 0) -> torch.Tensor:
+def nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
     """Top-p over logits ``x`` [..., V]: the smallest most-probable prefix whose mass reaches
     ``top_p`` (a token is dropped when the mass strictly before it already reaches top_p; the
     first token is always kept), renormalised.
@@ -73,13 +78,8 @@ def nucleus(x: torch.Tensor, top_p: float, *, candidates: int = 0) -> torch.Tens
     check exactly that {p >= t} holds mass >= top_p (else lower t), and sort only that set.
     It is a head of the full sorted order holding mass >= top_p, so every token outside it is
     dropped and the result is exactly what the full sort gives (a test compares the two).
-    ``candidates`` > 0: x was already cut to its top-k (ties may keep a few more), so the
-    candidate set is known.
+    (With top-k first, ``standardize`` knows the candidates and keeps the head without this.)
     """
-    if candidates:
-        kept = int((x > float("-inf")).sum(dim=-1).max())
-        vals, idx, _ = _topk(x, kept)
-        return _keep_head(x, torch.softmax(vals, dim=-1), idx, top_p)
     probs = torch.softmax(x, dim=-1)
     # a language model's nucleus is usually a handful of tokens: its 32 best hold the mass
     head_p, head_idx, _ = _topk(probs, min(_FIRST_GUESS, probs.shape[-1]))

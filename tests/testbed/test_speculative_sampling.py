@@ -205,6 +205,39 @@ def test_top_p_fast_path_equals_the_full_sort(scale, params):
         assert torch.equal(one > 0, ref[row] > 0)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(1.0, top_k=50), SamplingParams(0.7, top_k=50, top_p=0.9),
+                                    SamplingParams(1.0, top_k=7, top_p=0.999)])
+def test_ties_at_the_top_k_cut_are_kept_as_the_full_sort_keeps_them(params):
+    """bf16-rounded logits (ties everywhere) and rows of different tie counts at the k-th value:
+    every token tied at the cut is a candidate (as masking the whole vocabulary keeps them);
+    without top-p the same probabilities as that reference; with it a most-probable prefix of
+    the candidates whose mass first reaches top_p (tied tokens at that boundary may come in
+    either order), renormalised."""
+    gen = torch.Generator().manual_seed(params.top_k)
+    logits = (torch.randn(5, 49152, generator=gen) * 3).to(torch.bfloat16).float()
+    logits[1:3] = logits[1:3].round()  # many more ties at the cut
+    x = logits / params.temperature
+    kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+    ties = (x >= kth).sum(-1)
+    assert (ties > params.top_k).sum() >= 3 and len(set(ties.tolist())) >= 3  # mostly ties, unequal
+    fast = standardize(logits, params)
+    assert torch.equal(standardize(logits[1], params), fast[1])  # a row alone: the same bits
+    if params.top_p >= 1.0:
+        ref = _full_sort_standardize(logits, params)
+        assert torch.equal(fast > 0, ref > 0) and torch.allclose(fast, ref, atol=1e-7, rtol=1e-5)
+        return
+    for row in range(5):
+        cand = torch.nonzero(x[row] >= kth[row]).flatten()
+        p = torch.softmax(x[row, cand], -1).double()
+        kept = torch.nonzero(fast[row]).flatten()
+        assert set(kept.tolist()) <= set(cand.tolist())
+        inside = p[torch.isin(cand, kept)]
+        outside = p[~torch.isin(cand, kept)]
+        assert outside.numel() == 0 or float(inside.min()) >= float(outside.max())  # a most-probable prefix
+        assert float(inside.sum() - inside.min()) < params.top_p <= float(inside.sum()) + 1e-9
+        assert torch.allclose(fast[row, cand[torch.isin(cand, kept)]].double(), inside / inside.sum(), rtol=1e-5)
+
+
 def test_top_p_fast_path_with_tied_probabilities():
     """Ties at the nucleus boundary: the kept set is a most-probable prefix with the right mass,
     whichever of the tied tokens the order put first."""
