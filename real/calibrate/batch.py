@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from real.calibrate.drafts import TEMPERATURES
+from real.calibrate.drafts import TEMPERATURES, picker
 from real.calibrate.fit import isotonic
 
 BATCH_CONTEXT = 128
@@ -36,7 +36,7 @@ def add_batch_probes(pr: Any, model: Any, *, name: str, role: str, batches: list
     """Register ``model``'s batched-forward probes on ``pr`` (a real.calibrate.profile.Probes);
     returns the function that builds its ``batch`` table afterwards."""
     from real.model.batch import CacheRows, Feed, forward_batch
-    from testbed.spec.sampling import SamplingParams, sample, standardize
+    from testbed.spec.sampling import SamplingParams, standardize
 
     gen = torch.Generator().manual_seed(7)
     vocab = model.args.vocab_size
@@ -54,10 +54,11 @@ def add_batch_probes(pr: Any, model: Any, *, name: str, role: str, batches: list
                 for lg in forward_batch(model, feeds):
                     standardize(lg, params)
         else:
+            pick = picker(params.greedy, gen)
+
             def fn() -> None:
                 for lg in forward_batch(model, feeds):
-                    q = standardize(lg[-1], params)
-                    _ = int(q.argmax()) if params.greedy else sample(q, gen)
+                    pick(standardize(lg[-1], params))
         return fn
     return _register(pr, name, batches, ks, probe)
 
@@ -71,7 +72,7 @@ def add_eagle_batch_probes(pr: Any, draft: Any, *, name: str, batches: list[int]
     step's cost does not depend on the features' values, so zeros stand in for them."""
     from real.model.batch import CacheRows
     from real.model.eagle import RowEagleDraft, eagle_rows_logits
-    from testbed.spec.sampling import SamplingParams, sample, standardize
+    from testbed.spec.sampling import SamplingParams, standardize
 
     gen = torch.Generator().manual_seed(7)
     head, target = draft.head, draft.target
@@ -87,10 +88,11 @@ def add_eagle_batch_probes(pr: Any, draft: Any, *, name: str, batches: list[int]
         steps = [(d, torch.randint(target.args.vocab_size, (k,), generator=gen).tolist(), BATCH_CONTEXT)
                  for d in requests[:b]]
 
+        pick = picker(params.greedy, gen)
+
         def fn() -> None:
             for lg in eagle_rows_logits(steps):
-                q = standardize(lg, params)
-                _ = int(q.argmax()) if params.greedy else sample(q, gen)
+                pick(standardize(lg, params))
         return fn
     return _register(pr, name, batches, ks, probe)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from testbed.config import ExperimentConfig, ModelConfig
@@ -55,3 +56,13 @@ def make_draft(exp: ExperimentConfig, draft: ModelConfig, target: Any, tokenizer
     n_args = len(inspect.signature(loading.make_draft).parameters)
     args = (e, target, tokenizer, params)[:n_args]
     return loading.make_draft(*args)
+
+
+def picker(greedy: bool, gen: Any) -> Callable[[Any], int]:
+    """A draft's next guess from its distribution ``q``, as ``ChainWindow.take`` picks it: the
+    argmax at temperature 0, else a draw (``testbed.spec.sampling.sample``)."""
+    from testbed.spec.sampling import sample
+
+    if greedy:
+        return lambda q: int(q.argmax())
+    return lambda q: sample(q, gen)

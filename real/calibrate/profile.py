@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from real.calibrate.drafts import TEMPERATURES, drafts_to_measure
+from real.calibrate.drafts import TEMPERATURES, drafts_to_measure, picker
 from real.calibrate.drafts import make_draft as _make_draft
 from real.calibrate.fit import isotonic, smooth_table
 from real.calibrate.links import measure_messages
@@ -118,14 +118,6 @@ class Probes:
 
 
 # ------------------------------------------------------------------------------------ models
-def _pick(greedy: bool, gen: torch.Generator) -> Callable[[torch.Tensor], int]:
-    from testbed.spec.sampling import sample
-
-    if greedy:
-        return lambda q: int(q.argmax())
-    return lambda q: sample(q, gen)
-
-
 def _tokens(n: int, vocab: int, gen: torch.Generator) -> list[int]:
     return torch.randint(vocab, (n,), generator=gen).tolist()
 
@@ -155,7 +147,7 @@ def add_target_probes(pr: Probes, model: Any, grid: Grid) -> Callable[[], dict[s
             pr.add(("accept", cls, k), lambda p=p, q=q, g=guesses: speculative_step(p, q, draft_tokens=g, generator=gen))
         # `ar` picks its token from p directly (argmax, or one draw) instead of Algorithm 1
         p1 = standardize(torch.randn(vocab, generator=gen), params)
-        pick_fn = _pick(temp == 0.0, gen)
+        pick_fn = picker(temp == 0.0, gen)
         pr.add(("pick", cls), lambda p1=p1, f=pick_fn: f(p1))
     runner = TargetRunner(model, SamplingParams())
     for n in grid.prompt_len:
@@ -203,7 +195,7 @@ def add_draft_probes(pr: Probes, cfg: ModelConfig, *, vocab: int, grid: Grid, pr
         need = max(max(grid.context) + max(grid.draft_k), max(grid.prompt_len)) + 2
         if model is not None and model.max_seq < need:
             model.setup_cache(need)
-        pick = _pick(temp == 0.0, gen)
+        pick = picker(temp == 0.0, gen)
         for c in grid.context:
             for k in grid.draft_k:
                 toks = _tokens(k, vocab, gen)

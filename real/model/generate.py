@@ -30,3 +30,12 @@ def greedy_generate(model: Transformer, prompt_ids: Sequence[int], max_new_token
             break
         token = model(token)[:, -1].argmax(-1, keepdim=True)
     return out
+
+
+def oracle_reference(model: Transformer, prompt_ids: Sequence[int], new_tokens: int,
+                     eos_token_ids: Sequence[int] = ()) -> list[int]:
+    """The oracle lookahead's reference at temperature 0: the prompt and the target's greedy
+    continuation of up to ``new_tokens`` (as many as the KV cache holds), generated untimed
+    before a request is served (one at a time, or every request before serving under load)."""
+    ids = list(prompt_ids)
+    return ids + greedy_generate(model, ids, min(model.max_seq - len(ids), new_tokens), sorted(eos_token_ids))

@@ -196,21 +196,16 @@ def _admissions(ctx: RealContext, arrivals: WallClockArrivals, queue: Admission,
 
 
 def _oracle_references(ctx: RealContext, requests: list[RealRequest]) -> dict[int, list[int]]:
-    """The oracle policy's reference of every request (temperature 0: the target's greedy
-    sequence), untimed as the one-request schedule's (real/schedules/sync.py): generated one
-    request after another before serving starts, since under load they cannot be generated
-    beside the wall clock. Empty for every other policy."""
+    """The oracle policy's reference of every request, generated one request after another
+    before serving starts: under load they cannot be generated beside the wall clock. Empty for
+    every other policy."""
     if ctx.draft is None or not isinstance(lookahead_for(ctx.exp), OracleLookahead):
         return {}
-    from real.model.generate import greedy_generate
+    from real.model.generate import oracle_reference
 
-    target, out = ctx.target.model, {}
-    for req in requests:
-        ids = list(req.prompt_ids)
-        room = target.max_seq - len(ids)
-        out[req.request_id] = ids + greedy_generate(target, ids, min(room, req.max_new_tokens + ctx.exp.schedule.gamma),
-                                                    sorted(ctx.eos))
-    return out
+    return {req.request_id: oracle_reference(ctx.target.model, req.prompt_ids,
+                                             req.max_new_tokens + ctx.exp.schedule.gamma, ctx.eos)
+            for req in requests}
 
 
 def _admit(ctx: RealContext, req: RealRequest, *, arrived: float, admitted: float,

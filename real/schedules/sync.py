@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from real.model.drafts import NgramDraft
-from real.model.generate import greedy_generate
+from real.model.generate import oracle_reference
 from real.runtime.context import RealContext, RealRequest, finish
 from real.schedules import register
 from testbed.recorder import RequestRecord
@@ -23,9 +23,7 @@ def serve_sync(ctx: RealContext, req: RealRequest) -> None:
     policy = lookahead_for(exp)
     ids = list(req.prompt_ids)
     if isinstance(policy, OracleLookahead):  # untimed: the target's greedy continuation
-        room = ctx.target.model.max_seq - len(ids)
-        policy.reference = ids + greedy_generate(ctx.target.model, ids, min(room, req.max_new_tokens + exp.schedule.gamma),
-                                                 sorted(ctx.eos))
+        policy.reference = oracle_reference(ctx.target.model, ids, req.max_new_tokens + exp.schedule.gamma, ctx.eos)
     # per-token draft features for the trace: on the splits that feed traces (acceptance=trace
     # replays them: testbed.workloads.TRACE_SOURCE) and whenever the policy reads them
     draft.record_features = policy.needs_features or exp.workload.split in ("calibrate", "trace")

@@ -133,8 +133,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     """One token from a probability vector [V] (unnormalised weights too): its CDF inverted at
     one uniform, the cumulative sum in float64 (a float32 one drifts by up to ~V ulps on a 49k
     vocabulary; float64's error is ~1e-12 of a probability). A token of probability 0 owns an
-    empty interval and is never drawn. torch.multinomial draws the same law at 15x the cost on a
-    CPU (1.23 against 0.08 ms over the bundled 49,152 tokens, one core:
+    empty interval and is never drawn. torch.multinomial draws the same law at 8-14x the cost
+    on a CPU (1.24-1.34 against 0.10-0.15 ms over the bundled 49,152 tokens, one core:
     ``benchmarks/bench_sampling.py``), which every sampled draft guess and verified token paid."""
     cdf = torch.cumsum(probs.reshape(-1), 0, dtype=torch.float64)
     device = generator.device if generator is not None else cdf.device
