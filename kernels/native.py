@@ -142,6 +142,7 @@ def _load() -> ctypes.CDLL | None:
         "sb_has_avx512": ([], i32),
         "sb_read_sum": ([ptr, i64, i32], ctypes.c_double),
         "sb_topk": ([ptr, i64, i64, i64, ptr, ptr, ptr], i32),
+        "sb_top_p": ([ptr, i64, i64, ctypes.c_double, ptr], i32),
     }
     for name, (args, res) in signatures.items():
         fn = getattr(lib, name)
@@ -264,6 +265,18 @@ def topk(x: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor] | None:
                     n_ge.data_ptr()):
         return None
     return vals.view(*x.shape[:-1], k), idx.view(*x.shape[:-1], k), n_ge.view(x.shape[:-1])
+
+
+def top_p_(probs: Tensor, top_p: float) -> bool:
+    """In place over CPU fp32 probability rows [..., V]: each row renormalised on its smallest
+    most-probable prefix (ties lower index first) whose mass reaches ``top_p``, zero elsewhere
+    (``testbed.spec.sampling.nucleus``'s definition, by a radix select instead of a sort).
+    False (``probs`` untouched) where it does not apply."""
+    if (_LIB is None or probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.shape[-1] == 0
+            or not probs.is_contiguous()):
+        return False
+    rows = probs.numel() // probs.shape[-1]
+    return _LIB.sb_top_p(probs.data_ptr(), rows, probs.shape[-1], float(top_p), probs.data_ptr()) == 0
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import testbed.spec.speculative as speculative
+from kernels import native
 from testbed.spec.sampling import SamplingParams, sample, standardize
 from testbed.spec.speculative import speculative_step
 from tests.helpers.spec_oracle import TokenOracle, single_thread, tv_distance
@@ -186,12 +187,22 @@ def _full_sort_standardize(logits: torch.Tensor, params: SamplingParams) -> torc
     return torch.softmax(x.masked_fill(drop, float("-inf")), dim=-1)
 
 
+@pytest.fixture(params=["native", "torch"])
+def top_p_path(request, monkeypatch):
+    """Top-p by the native radix select, or by the PyTorch fallback (no native kernels)."""
+    if request.param == "native" and not native.AVAILABLE:
+        pytest.skip("native kernels not built")
+    if request.param == "torch":
+        monkeypatch.setattr(native, "top_p_", lambda probs, top_p: False)
+    return request.param
+
+
 @pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat (huge nucleus), heavy-tailed, peaked
 @pytest.mark.parametrize("params", [
     SamplingParams(1.0, top_p=0.9), SamplingParams(0.7, top_p=0.5), SamplingParams(1.3, top_p=0.999),
     SamplingParams(1.0, top_p=0.05), SamplingParams(1.0, top_k=50, top_p=0.9),
     SamplingParams(0.8, top_k=2000, top_p=0.95)])
-def test_top_p_fast_path_equals_the_full_sort(scale, params):
+def test_top_p_fast_path_equals_the_full_sort(scale, params, top_p_path):
     """Same kept set exactly and the same probabilities, on a 49k vocabulary, for single rows
     and for a verification batch."""
     gen = torch.Generator().manual_seed(int(scale * 100) + params.top_k)
@@ -250,3 +261,32 @@ def test_top_p_fast_path_with_tied_probabilities():
         assert float(full[kept].sum()) >= top_p
         assert float(full[kept].sum() - full[kept].min()) < top_p
         assert float(full[kept].min()) >= float(full[~kept].max())
+
+
+def _stable_nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition: sort by decreasing probability, ties lower index first; drop a token when
+    the float64 mass strictly before it reaches top_p; renormalise."""
+    probs = torch.softmax(x, dim=-1)
+    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
+    sorted_p = probs.gather(-1, order).double()
+    drop = torch.zeros_like(order, dtype=torch.bool).scatter(-1, order, torch.cumsum(sorted_p, -1) - sorted_p >= top_p)
+    kept = probs.masked_fill(drop, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.95, 0.999, 1 - 1e-12])
+def test_top_p_keeps_ties_lower_index_first(top_p, top_p_path):
+    """Both paths against the definition, exactly in which tokens they keep: bf16 and
+    rounded logits (ties everywhere, at the boundary too), rows whose tail underflows to exact
+    zeros, a vocabulary that is no multiple of the vector width, one row alone."""
+    gen = torch.Generator().manual_seed(int(top_p * 1e4))
+    logits = torch.randn(6, 49157, generator=gen) * torch.tensor([[0.5], [3.0], [3.0], [12.0], [40.0], [3.0]])
+    logits = logits.to(torch.bfloat16).float()
+    logits[2] = logits[2].round()  # ~20 distinct values: long runs of ties at any boundary
+    logits[5, 100:] = -1e4  # 100 tokens hold all the mass
+    ref = _stable_nucleus(logits, top_p)
+    got = standardize(logits, SamplingParams(1.0, top_p=top_p))
+    assert torch.equal(got > 0, ref > 0)
+    assert torch.allclose(got, ref, atol=1e-7, rtol=1e-5)
+    assert torch.equal(standardize(logits[2], SamplingParams(1.0, top_p=top_p)), got[2])
+    assert bool((torch.softmax(logits[4], -1) == 0).any())  # row 4: a tail of exact zeros
