@@ -148,9 +148,12 @@ def profile_is_current(path: Path, exp: ExperimentConfig,
                 and "tree_rounds" not in prof["models"][m.name]]
     if no_async:  # a tree's per-round select and re-root (real/calibrate/tree.time_bookkeeping)
         return False, f"profile has no tree bookkeeping table of {', '.join(no_async)}"
-    unbatched = [m.name for m in models if m.kind == "transformer" and "batch" not in prof["models"][m.name]]
-    if unbatched:  # serving under load (real/calibrate/batch.py)
+    unbatched = [m.name for m in models if m.kind in ("transformer", "eagle") and "batch" not in prof["models"][m.name]]
+    if unbatched:  # serving under load (real/calibrate/batch.py); an eagle head's tree forwards too
         return False, f"profile has no batched-forward table of {', '.join(unbatched)}"
+    no_tree = [m.name for m in models if m.kind == "eagle" and "tree_expand" not in prof["models"][m.name]]
+    if no_tree:  # an eagle head's tree expansions beyond its forward (real/calibrate/tree.py)
+        return False, f"profile has no tree expansion table of {', '.join(no_tree)}"
     contended = any("contended" in m for m in prof["models"].values())
     if contended and "bridge" not in prof.get("links", {}):  # measured beside it on 2 cores
         return False, "profile has no async bridge message table (real/calibrate/bridge.py)"

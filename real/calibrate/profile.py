@@ -295,10 +295,13 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, *, grid: Grid 
             from real.calibrate.sampling import add_sampling_tables  # per mode: top-k/top-p extra
             add_sampling_tables(exp, target, prompt=prompt, models=models, drafts=drafts_to_measure(exp), log=log)
             from real.calibrate.tree import (  # tree expansions
+                add_eagle_tree_tables,
                 add_ngram_tree_tables,
                 add_tree_tables,
             )
             add_tree_tables(models, drafts_to_measure(exp), dtypes[real_dtype(exp)], log=log)
+            add_eagle_tree_tables(models, drafts_to_measure(exp), log=log,
+                                  make=lambda d: _make_draft(exp, d, target, tokenizer, params=SamplingParams()))
             add_ngram_tree_tables(models, drafts_to_measure(exp), target.args.vocab_size, log=log)
             _log_tables(models, log)
             threads = torch.get_num_threads()

@@ -30,6 +30,10 @@ The n-gram draft has no forward to subtract: its expansions are timed whole (loo
 distributions over the target's vocabulary, the children's selection) by the leaves that occur,
 with its own select and re-root, in the same two tables (``add_ngram_tree_tables``).
 
+An eagle head's expansions are timed the same way (``add_eagle_tree_tables``), beyond its own
+head forwards; the forward itself, which computes every node's logits, the simulator takes from
+the head's batched table (sim/cost/profile_tables.EagleTreeForward).
+
     python -m real.calibrate.tree [PROFILE]     re-measures both tables of PROFILE's drafts in place
 """
 
@@ -70,16 +74,30 @@ class TimedForward:
 
 
 def time_expansions(model: Any, vocab: int, params: SamplingParams, *, leaves: Sequence[int] = LEAVES,
-                    passes: int = PASSES, history_len: int = 64) -> dict[str, Any]:
+                    passes: int = PASSES, history_len: int = 64, source: Any = None) -> dict[str, Any]:
     """Median seconds of one expansion of n leaves beyond the forward of ``model`` (a
     ForwardModel, e.g. real/model/tree_tokens.LocalModel of the draft), for each n of ``leaves``: a
-    tree of width n is grown from its root until an expansion of n leaves (the one timed)."""
+    tree of width n is grown from its root until an expansion of n leaves (the one timed).
+    ``source(history, generator)``: the draft source instead, which accumulates the time of its
+    own forwards in ``spent`` (an eagle head's, ``TimedEagleTreeTokens``)."""
+    from real.model.tree_tokens import DraftTreeTokens
+
     gen = torch.Generator().manual_seed(0)
     history = torch.randint(vocab, (history_len,), generator=gen).tolist()
-    timed = TimedForward(model)
+    if source is None:
+        timed = TimedForward(model)
+
+        def source(h: list[int], g: torch.Generator) -> Any:
+            return DraftTreeTokens(timed, params, h, g), timed
+    else:
+        make = source
+
+        def source(h: list[int], g: torch.Generator) -> Any:
+            src = make(h, g)
+            return src, src
     raw: dict[int, list[float]] = {n: [] for n in leaves}
     gc.collect()  # (the collector runs inside the expansions timed, as it does in a run)
-    _grow(timed, params, history=history, gen=gen, leaves=leaves, passes=passes, raw=raw)
+    _grow(source, history=history, gen=gen, leaves=leaves, passes=passes, raw=raw)
     med = [statistics.median(raw[n]) for n in leaves]
     return {"leaves": list(leaves), "seconds": isotonic(med), "raw": med}
 
@@ -87,20 +105,20 @@ def time_expansions(model: Any, vocab: int, params: SamplingParams, *, leaves: S
 GROWN = 12  # expansions per tree timed: the tree an async draft keeps growing, not a fresh one
 
 
-def _grow(timed: TimedForward, params: SamplingParams, *, history: list[int], gen: torch.Generator,
-          leaves: Sequence[int], passes: int, raw: dict[int, list[float]]) -> None:
+def _grow(source: Any, *, history: list[int], gen: torch.Generator, leaves: Sequence[int], passes: int,
+          raw: dict[int, list[float]]) -> None:
     """Per pass and width n, a tree grown ``GROWN`` times; every expansion of n leaves (all
     but the first, of the root alone) is a sample. The bookkeeping grows with the tree: on
     fresh two-expansion trees, with the collector off, the overhead read 0.76 ms for 8 leaves
     where an async draft's expansions measured 2.8 ms beyond their forward, and the simulator
     chose d = 10 where the real run chose 8-9."""
-    from real.model.tree_tokens import DraftTreeTokens
     from testbed.spec.tree_drafter import TreeDrafter
 
     with torch.inference_mode():
         for _ in range(max(1, passes // 3)):
             for n in leaves:
-                drafter = TreeDrafter(DraftTreeTokens(timed, params, list(history), gen), width=n, budget=4 * n)
+                src, timed = source(list(history), gen)  # (the source, what accumulates its forwards' time)
+                drafter = TreeDrafter(src, width=n, budget=4 * n)
                 for _ in range(GROWN):
                     timed.spent = 0.0
                     t = time.perf_counter()
@@ -146,8 +164,12 @@ def time_bookkeeping(model: Any, vocab: int, params: SamplingParams, *, leaves: 
                     continue  # (a lookup that found nothing: no tree to re-root)
                 first = tree.children[0][0]  # topk: the most probable child, and its own
                 second = tree.tokens[tree.children[first][0]] if tree.children[first] else 0
+                verified = [tree.tokens[first], second]
+                # a source that reads the target's features (an eagle head) gets placeholders:
+                # the re-root's cost does not depend on their values
+                features = drafter.source.placeholder_features(len(verified)) if drafter.source.reads_features else None
                 t = time.perf_counter()
-                drafter.advance([tree.tokens[first], second])
+                drafter.advance(verified, features=features)
                 advance[n].append(time.perf_counter() - t)
     return {"leaves": list(leaves),
             "select_s": isotonic([statistics.median(select[n]) for n in leaves]),
@@ -259,8 +281,39 @@ def add_tree_tables(models: dict[str, Any], drafts: list[Any], dtype: torch.dtyp
         log(f"{name} tree select + re-root per round, by leaves (ms): {cells}")
 
 
+def add_eagle_tree_tables(models: dict[str, Any], drafts: list[Any], make: Any, log: Any = print) -> None:
+    """"tree_expand" and "tree_rounds" for every eagle head of ``drafts`` (``make(config)``: its
+    ``EagleDraft`` beside the target), its own head forwards subtracted as a draft model's are.
+    The head's tree-shaped forward itself (every node's logits) the simulator reads from the
+    head's batched table (sim/cost/profile_tables.EagleTreeForward)."""
+    from real.calibrate.drafts import TEMPERATURES
+    from real.model.eagle_tree import TimedEagleTreeTokens
+
+    for d in drafts:
+        if d.kind != "eagle" or d.name not in models:
+            continue
+        try:
+            draft = make(d)
+        except Exception as e:  # noqa: BLE001 - the other tables are still useful
+            log(f"{d.name} tree expansion: skipped ({type(e).__name__}: {e})")
+            continue
+        vocab, slots = draft.target.args.vocab_size, LEAVES[-1] * (GROWN + 1) + 64 + 2
+
+        def source(p: SamplingParams, draft: Any = draft, slots: int = slots) -> Any:
+            return lambda h, g: TimedEagleTreeTokens.started(draft, p, h, cache_slots=slots, generator=g)
+
+        params = {cls: SamplingParams(temperature=temp) for cls, temp in TEMPERATURES.items()}
+        models[d.name]["tree_expand"] = {cls: time_expansions(None, vocab, p, source=source(p)) for cls, p in params.items()}
+        models[d.name]["tree_rounds"] = {cls: time_bookkeeping(None, vocab, p, source=source(p), history_len=64)
+                                         for cls, p in params.items()}
+        cells = "; ".join(f"{cls}: " + " ".join(f"{n}={1e3 * s:.2f}" for n, s in zip(t["leaves"], t["seconds"]))
+                          for cls, t in models[d.name]["tree_expand"].items())
+        log(f"{d.name} tree expansion beyond the head's forward, by leaves (ms): {cells}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Re-measure the tree tables of a profile's transformer drafts, in place (atomically)."""
+    """Re-measure the tree tables of a profile's drafts (draft models, eagle heads, n-gram
+    lookups), in place (atomically)."""
     import argparse
     import json
     import os
@@ -290,11 +343,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(int(prof.get("threads") or 1))
     add_tree_tables(models, drafts_to_measure(exp), dtypes[real_dtype(exp)])
     add_ngram_tree_tables(models, drafts_to_measure(exp), _target_vocab(exp))
+    if any(d.kind == "eagle" for d in drafts_to_measure(exp)):
+        add_eagle_tree_tables(models, drafts_to_measure(exp), _eagle_maker(exp))
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         json.dump(prof, f, indent=1)
     os.replace(tmp, path)
     print(f"updated {path}")
+
+
+def _eagle_maker(exp: Any) -> Any:
+    """``make(config)`` of add_eagle_tree_tables: an eagle head beside the profile's target."""
+    from real.calibrate.drafts import make_draft
+    from real.model.weights import load_model
+    from real.runtime.loading import DTYPES as dtypes
+    from testbed.paths import repo_path
+
+    t = exp.pair.target
+    target, tokenizer = load_model(None if t.path is None else repo_path(t.path), dtype=dtypes[real_dtype(exp)], max_seq=64)
+    return lambda d: make_draft(exp, d, target, tokenizer, params=SamplingParams())
 
 
 def _target_vocab(exp: Any) -> int:

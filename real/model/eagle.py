@@ -275,6 +275,24 @@ def eagle_rows_logits(steps: list[tuple[RowEagleDraft, list[int], int]]) -> list
     return list(target.head(last[None])[0])
 
 
+@torch.inference_mode()
+def eagle_rows_tree(parts: list[tuple[EagleHead, Transformer, Feed, Tensor, int]]) -> list[tuple[Tensor, Tensor]]:
+    """One head forward for the tree expansions of several requests, each ``(head, target, feed
+    on its own row with its tree mask, the pairs' features [T, dim], leaves)``: the fc over
+    every pair, the head's layer over the rows of all (attention per row under its mask), the LM
+    head over every request's leaves at once. Per part: (the head's features f̂ of its last
+    ``leaves`` rows ``[leaves, dim]``, their fp32 logits ``[leaves, V]``)."""
+    head, target = parts[0][0], parts[0][1]
+    dev = target.device
+    tokens = torch.tensor([[t for _, _, f, _, _ in parts for t in f.tokens]], device=dev)
+    feats = torch.cat([x for _, _, _, x, _ in parts])[None]
+    h = layers_rows(head.body, head.inputs(target, tokens, feats), [f for _, _, f, _, _ in parts], lo=0, hi=1)[0]
+    ends = torch.tensor([len(f.tokens) for _, _, f, _, _ in parts]).cumsum(0).tolist()
+    leaves = [h[end - n: end] for (_, _, _, _, n), end in zip(parts, ends)]
+    logits = target.head(torch.cat(leaves)[None])[0].float()
+    return list(zip(leaves, logits.split([n for *_, n in parts])))
+
+
 # ------------------------------------------------------------------------------ evaluation
 def is_eagle_dir(path: Path) -> bool:
     try:

@@ -12,10 +12,15 @@ The head's slot 0 never holds a pair (no feature precedes the first token): it i
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
 
-from real.model.eagle import EagleDraft
+from real.model.batch import Feed
+from real.model.eagle import EagleDraft, RowEagleDraft, eagle_rows_tree
 from real.model.tree_tokens import expansion_inputs
 from testbed.spec.sampling import SamplingParams, standardize
 from testbed.spec.tree import DraftTree
@@ -56,19 +61,15 @@ class EagleTreeTokens(DraftSource):
         """One head forward over the pending prefix pairs and the leaves ``nodes``; q after each
         leaf ``[len(nodes), V]`` (the ranking at temperature 0)."""
         d, pend = self.draft, self.pending
-        head, target = d.head, d.target
         prefix, slots = tree.prefix_len, tree.n_slots
         width = prefix + slots + len(nodes)
-        if head.body.max_seq < width:
+        if self._slots_per_row() < width:
             raise RuntimeError(f"eagle: the tree needs {width} KV slots of the head, it has "
-                               f"{head.body.max_seq}")
+                               f"{self._slots_per_row()}")
         input_pos, mask, position_ids = expansion_inputs(tree, pend, nodes, first_slot=1)  # slot 0: no pair
-        tokens = torch.tensor([[self._history[p] for p in pend] + [tree.tokens[n] for n in nodes]],
-                              device=target.device)
+        tokens = [self._history[p] for p in pend] + [tree.tokens[n] for n in nodes]
         feats = torch.stack([d.features[p - 1] for p in pend] + [self._parent_feature(tree, n) for n in nodes])
-        u = head.inputs(target, tokens, feats[None])
-        h = head.body.forward_layers(u, input_pos, mask, position_ids=position_ids)
-        leaves = h[0, len(pend):]
+        leaves, logits = self._head_forward(tokens, feats, input_pos, mask, position_ids, len(nodes))
         if self.slot_features.shape[0] < slots + len(nodes):
             grown = torch.zeros(2 * (slots + len(nodes)), leaves.shape[-1], dtype=leaves.dtype, device=leaves.device)
             grown[: self.slot_features.shape[0]] = self.slot_features
@@ -76,10 +77,20 @@ class EagleTreeTokens(DraftSource):
         self.slot_features[slots: slots + len(nodes)] = leaves
         self.pending = []
         self.forwards += 1
-        logits = target.head(leaves[None])[0]
         if self.params.greedy:  # rank by the softmax at temperature 1 (as DraftTreeTokens)
             return torch.softmax(logits.float(), dim=-1)
         return standardize(logits, self.params)
+
+    def _slots_per_row(self) -> int:
+        return self.draft.head.body.max_seq
+
+    def _head_forward(self, tokens: list[int], feats: Tensor, input_pos: Tensor, mask: Tensor,
+                      position_ids: Tensor, leaves: int) -> tuple[Tensor, Tensor]:
+        """(the head's features f̂ of the last ``leaves`` rows ``[leaves, dim]``, their logits)."""
+        head, target = self.draft.head, self.draft.target
+        u = head.inputs(target, torch.tensor([tokens], device=target.device), feats[None])
+        h = head.body.forward_layers(u, input_pos, mask, position_ids=position_ids)[0, len(tokens) - leaves:]
+        return h, target.head(h[None])[0]
 
     def verified_features(self, features: Tensor | None) -> None:
         """The target's features ``[1 + accepted, dim]`` of the old root and the accepted tokens,
@@ -97,7 +108,65 @@ class EagleTreeTokens(DraftSource):
         src = [plan.old_prefix_len + s for s, _ in plan.keep]
         dst = [plan.new_prefix_len + n for _, n in plan.keep]
         if src:
-            self.draft.head.body.move_kv(torch.tensor(src), torch.tensor(dst))
+            self._move_kv(src, dst)
             moved = self.slot_features[[s for s, _ in plan.keep]].clone()
             self.slot_features[: len(plan.keep)] = moved
         self.pending.extend(p for p in range(plan.old_prefix_len, plan.new_prefix_len) if p not in self.pending)
+
+    def _move_kv(self, src: list[int], dst: list[int]) -> None:
+        self.draft.head.body.move_kv(torch.tensor(src), torch.tensor(dst))
+
+    def placeholder_features(self, n: int) -> Tensor:
+        """Zeros in the shape of the target's features of ``n`` positions (calibration times
+        what does not depend on their values)."""
+        return torch.zeros(n, self.draft.features.shape[1], dtype=self.draft.features.dtype,
+                           device=self.draft.features.device)
+
+
+class TimedEagleTreeTokens(EagleTreeTokens):
+    """An eagle head's tree source that adds the time of its head forwards to ``spent``, so that
+    calibration (real/calibrate/tree.py) can time an expansion beyond its forward."""
+
+    spent = 0.0
+
+    @classmethod
+    def started(cls, draft: EagleDraft, params: SamplingParams, history: list[int], *, cache_slots: int,
+                generator: torch.Generator | None = None) -> TimedEagleTreeTokens:
+        """A source over ``history`` whose features are placeholders (zeros)."""
+        draft.start(history, features=torch.zeros(len(history) - 1, draft.target.args.dim,
+                                                   dtype=draft.target.dtype, device=draft.target.device))
+        return cls(draft, params, history, cache_slots=cache_slots, generator=generator)
+
+    def _head_forward(self, tokens: list[int], feats: Tensor, input_pos: Tensor, mask: Tensor,
+                      position_ids: Tensor, leaves: int) -> tuple[Tensor, Tensor]:
+        t = time.perf_counter()
+        out = super()._head_forward(tokens, feats, input_pos, mask, position_ids, leaves)
+        self.spent += time.perf_counter() - t
+        return out
+
+
+class RowEagleTreeTokens(EagleTreeTokens):
+    """The draft side of one of several requests whose serial trees grow in batched rounds
+    (real/runtime/batching.py): the request's own row of the head's KV cache and its own
+    features (``RowEagleDraft``); its head forwards meet the other requests' in one batched
+    forward (``meet``, real/runtime/rendezvous.py; ``eagle_rows_tree``), which computes for
+    each row what the one-request head computes."""
+
+    def __init__(self, draft: RowEagleDraft, params: SamplingParams, history: list[int], *, meet: Any,
+                 index: Callable[[], int], generator: torch.Generator | None = None) -> None:
+        super().__init__(draft, params, history, cache_slots=0, generator=generator)  # the rows are sized
+        self.row_draft, self.meet, self.index = draft, meet, index
+
+    def _slots_per_row(self) -> int:
+        return self.row_draft.rows.model.max_seq
+
+    def _head_forward(self, tokens: list[int], feats: Tensor, input_pos: Tensor, mask: Tensor,
+                      position_ids: Tensor, leaves: int) -> tuple[Tensor, Tensor]:
+        d = self.row_draft
+        feed = Feed(d.row, tokens, mask=mask, slots=[int(x) for x in input_pos],
+                    positions=[int(x) for x in position_ids])
+        return self.meet.call(self.index(), ("eagle_tree", id(d.head)), eagle_rows_tree,
+                              (d.head, d.target, feed, feats, leaves))
+
+    def _move_kv(self, src: list[int], dst: list[int]) -> None:
+        self.row_draft.rows.move(self.row_draft.row, src, dst)

@@ -22,7 +22,9 @@ the other (the batch waits), then one round serves every running request:
 - ``sync`` with ``schedule.tree=true`` (the serial tree): every request's tree is expanded d times
   and filled (expansion j of every request in one batched draft forward: real/runtime/rendezvous.py
   runs each request's drafter in a thread of its own and meets their forwards), every subtree is
-  verified in one batched target forward, then each request re-roots on its own rows.
+  verified in one batched target forward, then each request re-roots on its own rows (an eagle
+  head's tree: its expansions are one head forward over the requests' rows, and it takes the
+  target's features of the accepted path from the batched verification).
 
 A request's logits in a batch equal its logits served alone (real/model/batch.py), and it draws
 from its own seeded generator in the same order, so each request's output under load equals its
@@ -45,6 +47,7 @@ import torch.distributed as dist
 from real.model.batch import CacheRows, Feed, forward_batch, forward_batch_features
 from real.model.drafts import ChainWindow, Draft, EarlyExitDraft, ModelDraft, NgramDraft
 from real.model.eagle import EagleDraft, RowEagleDraft, eagle_rows_logits
+from real.model.eagle_tree import RowEagleTreeTokens
 from real.model.tree_tokens import DraftTreeTokens, TargetTreeTokens, tree_cache_slots
 from real.runtime.context import RealContext, RealRequest, finish
 from real.runtime.rendezvous import Rendezvous, RowModel
@@ -55,7 +58,7 @@ from testbed.schedules import spec_of
 from testbed.spec.lookahead import OracleLookahead, lookahead_for
 from testbed.spec.sampling import sample, standardize
 from testbed.spec.speculative import speculative_step
-from testbed.spec.tree_drafter import DraftRowSample, TreeDrafter, TreeKvStats
+from testbed.spec.tree_drafter import DraftRowSample, DraftSource, TreeDrafter, TreeKvStats
 
 
 @dataclass
@@ -132,7 +135,7 @@ def serve_batched(ctx: RealContext, requests: list[RealRequest], *, max_seq: int
     draft_slots = tree_cache_slots(longest) if tree else max_seq  # a tree's slots beyond the sequence
     draft_rows = CacheRows(draft_model, rows, draft_slots) if draft_model is not None else None
     if isinstance(ctx.draft, EagleDraft):  # the head's own KV cache, a row per request
-        draft_rows = CacheRows(ctx.draft.head.body, rows, max_seq)
+        draft_rows = CacheRows(ctx.draft.head.body, rows, draft_slots)
     meet = Rendezvous() if tree else None
     # on a GPU: capture the batched chains' CUDA graphs before the timed rounds (real/model/batch_graphs.py)
     window = range(1, min(exp.schedule.gamma + 1, 16) + 1) if ctx.draft is not None and not tree else [1]
@@ -340,14 +343,22 @@ def _sync_round(ctx: RealContext, running: list[Active], r: int, draft_model: An
 
 def _grow_tree(ctx: RealContext, a: Active, meet: Rendezvous, *, target_rows: CacheRows,
                draft_rows: CacheRows | None) -> None:
-    """The serial tree's drafter and verifier of a request, on its own cache rows."""
+    """The serial tree's drafter and verifier of a request, on its own cache rows. An eagle
+    head's tree reads the target's features: its verification keeps them (``RowModel``)."""
     s = ctx.exp.schedule
-    assert draft_rows is not None  # testbed.config_validate: a tree under load needs a draft model
+    assert draft_rows is not None  # testbed.config_validate: a tree under load needs a draft model or head
     kv = ctx.state.setdefault("tree_kv", TreeKvStats())
     sample = ctx.state.setdefault("tree_rows", DraftRowSample())
-    source = DraftTreeTokens(RowModel(draft_rows, a.draft_row, meet, lambda: a.index), ctx.params, list(a.ids), a.gen)
+    if isinstance(a.draft, RowEagleDraft):
+        source: DraftSource = RowEagleTreeTokens(a.draft, ctx.params, list(a.ids), meet=meet,
+                                                 index=lambda: a.index, generator=a.gen)
+        target = RowModel(target_rows, a.row, meet, lambda: a.index, features=True)
+        a.verifier = TargetTreeTokens(target, ctx.params, a.gen, features_of=lambda rows: target.last_hidden[rows])
+    else:
+        source = DraftTreeTokens(RowModel(draft_rows, a.draft_row, meet, lambda: a.index), ctx.params,
+                                 list(a.ids), a.gen)
+        a.verifier = TargetTreeTokens(RowModel(target_rows, a.row, meet, lambda: a.index), ctx.params, a.gen)
     a.drafter = TreeDrafter(source, width=s.tree_width, budget=s.tree_budget, kv=kv, rows=sample)
-    a.verifier = TargetTreeTokens(RowModel(target_rows, a.row, meet, lambda: a.index), ctx.params, a.gen)
 
 
 def _tree_round(ctx: RealContext, running: list[Active], r: int, meet: Rendezvous) -> None:
@@ -374,7 +385,7 @@ def _tree_round(ctx: RealContext, running: list[Active], r: int, meet: Rendezvou
         a.start_s = s if a.start_s < 0 else a.start_s
         before = len(a.out)
         a.out, a.done = finish(a.out, res.tokens, a.req.max_new_tokens, ctx.eos)
-        a.drafter.advance(res.tokens)
+        a.drafter.advance(res.tokens, features=res.features)
         ctx.rec.round(request_id=a.req.request_id, round_idx=a.rounds, start_s=s, end_s=e,
                       drafted=len(batch) - 1, checked=res.checked, accepted=res.accepted,
                       emitted=len(a.out) - before, verified_tokens=len(batch), draft_s=m - s, target_s=e - m)

@@ -27,7 +27,8 @@ a run at TP > 1 on one fails with one line asking to recalibrate. A transformer 
 tree-shaped forward is the exception (sim/cost/profile_tables.TreeDraftForward): the main table
 times its chain step, whose LM head projects the last token only, while a tree expansion needs
 every node's logits, so its shape in k comes from the TP tree table (every row's logits) from
-one token on, at the main table's one-token level.
+one token on, at the main table's one-token level. An eagle head's likewise, its shape in k from
+the head's batched table (sim/cost/profile_tables.EagleTreeForward).
 
 Sampling mode (real/calibrate/sampling.py): the forward tables include standardizing at their
 temperature class (argmax; a T=1 softmax). A run with top-k and/or top-p also pays, per draft
@@ -57,6 +58,7 @@ from sim.cost import profile_rescale
 from sim.cost.base import CostModel, Role, register
 from sim.cost.profile_tables import (
     CALIBRATE_CMD,
+    EagleTreeForward,
     ShapeFactor,
     Table1D,
     Table2D,
@@ -104,7 +106,8 @@ class ProfileCost(CostModel):
         self._tree_rounds: tuple[Table1D, Table1D] | None = None  # a tree's (select, re-root) per round
         self.degree = tp_degrees(exp)
         self._factor: dict[str, ShapeFactor | None] = {}
-        self._tree_draft: TreeDraftForward | None = None  # a transformer draft's tree forward
+        # a transformer draft's or an eagle head's tree-shaped forward (every node's logits)
+        self._tree_draft: TreeDraftForward | EagleTreeForward | None = None
         # batched forwards (real/calibrate/batch.py): (seconds over (k per request, B), their context)
         self._batch: dict[str, tuple[Table2D, int]] = {}
         self.warm_draft = 1.0  # a draft step after a draft step, over one alone (run_probe sets it)
@@ -215,6 +218,8 @@ class ProfileCost(CostModel):
         forward = self._forward[role]
         if role == "draft" and m.get("kind") == "transformer" and m.get("tp") and isinstance(forward, Table2D):
             self._tree_draft = TreeDraftForward(forward, m["tp"], self.degree[role])
+        elif role == "draft" and m.get("kind") == "eagle" and role in self._batch and isinstance(forward, Table2D):
+            self._tree_draft = EagleTreeForward(forward, self._batch[role][0])  # type: ignore[assignment]
         other = self.names["draft" if role == "target" else "target"]
         c = m.get("contended", {}).get(other)
         if self.concurrent and c:

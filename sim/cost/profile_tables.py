@@ -125,6 +125,23 @@ class TreeDraftForward:
         return self.main(1, context) * self.tree(max(1, k), cc) / one if one > 0 else self.main(k, context)
 
 
+class EagleTreeForward:
+    """An eagle head's tree-shaped forward over k nodes: ``forward[1, c] · batch(1, k) / batch(1, 1)``.
+
+    The main table times the head's chain step (the LM head over the last pair only); a tree
+    expansion needs every node's logits, and over a 49k vocabulary the LM head is most of a
+    one-layer head's cost: the serial tree's draft phase was predicted 57 % short. The head's
+    batched table (B requests x 1 token: the layer over B rows, the LM head over B rows) is that
+    forward's shape in rows; it is read at k rows, at the main table's one-token level."""
+
+    def __init__(self, main: Table2D, batch: Table2D) -> None:
+        self.main, self.batch = main, batch
+
+    def __call__(self, k: int, context: int) -> float:
+        one = self.batch(1, 1)
+        return self.main(1, context) * self.batch(1, max(1, k)) / one if one > 0 else self.main(k, context)
+
+
 def sampling_extra(model: dict[str, Any], mode: str) -> float | None:
     """Seconds per distribution that `mode` costs beyond what the model's forward tables
     include (their class's own mode); None when the profile did not measure sampling."""

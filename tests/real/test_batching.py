@@ -312,3 +312,36 @@ def test_trace_runs_under_load_record_the_draft_features_per_token_policies_repl
     ctx = _batched(exp, tiny(0), ModelDraft(tiny(3, SMALL), params, "tiny"), params, _requests(4))
     features = ctx.rec.extra_round_columns["draft_features"]
     assert len(features) == len(ctx.rec.rounds) and all(len(f) == 3 * FEATURES for f in features)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_serial_tree_with_an_eagle_head_under_batching_answers_as_served_alone(temperature: float,
+                                                                                  monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An eagle head's trees of requests joining and leaving: their expansions run as one head
+    forward over the requests' rows, each request takes the target's features of its accepted
+    path from the batched verification; every answer equals the one served alone (T=0: `ar`'s)."""
+    from real.model import eagle_tree
+    from real.schedules.sync_tree import serve_sync_tree
+
+    parts: list[int] = []
+    batched = eagle_tree.eagle_rows_tree
+    params = SamplingParams(temperature=temperature)
+    target, _ = two_token_pair(2)  # 4 tokens: a random head's guesses are often right
+    gen = torch.Generator().manual_seed(3)
+    reqs = [RealRequest(i, f"p{i}", torch.randint(0, TWO_TOKEN_VOCAB, (2 + 3 * (i % 3),), generator=gen).tolist(),
+                        8 + 4 * (i % 3)) for i in range(6)]
+    exp = compose_exp("schedule=sync", "schedule.tree=true", "schedule.gamma=2", "schedule.tree_width=2",
+                      "schedule.tree_budget=4", "workload.concurrency=3", f"sampling.temperature={temperature}")
+    head = EagleHead(target.args).init_random(2, std=0.5)
+    try:
+        alone = _alone(exp, target, EagleDraft(head, target, params, "eagle"), params, serve_sync_tree, reqs)
+        monkeypatch.setattr(eagle_tree, "eagle_rows_tree", lambda p: parts.append(len(p)) or batched(p))
+        ctx = _batched(exp, target, EagleDraft(head, target, params, "eagle"), params, reqs)
+    finally:
+        target.keep_hidden = False
+    assert _by_request(ctx) == alone
+    if temperature == 0:
+        assert alone == _alone(exp, target, None, params, serve_ar, reqs)
+    rounds, _, timeline = ctx.rec.frames()[:3]
+    assert timeline["batch"].max() == 3 and (rounds.verified_tokens <= 4).all() and rounds.accepted.sum() > 0
+    assert max(parts) == 3  # one head forward for the three requests' expansion

@@ -48,6 +48,11 @@ def test_quick_calibration_feeds_the_profile_cost_model(tmp_path: Path, monkeypa
     assert "sampling" not in prof["models"]["ngram3"]  # one-hot q: nothing to standardize
     for table in ("tree_expand", "tree_rounds"):  # the n-gram draft's tree tables, per temperature class
         assert set(prof["models"]["ngram3"][table]) == set(TEMPERATURES)
+        # an eagle head's: beyond its own forwards, which the simulator reads from its batched table
+        assert set(prof["models"]["smollm2_eagle"][table]) == set(TEMPERATURES)
+    expand = prof["models"]["smollm2_eagle"]["tree_expand"]["greedy"]
+    one_step = prof["models"]["smollm2_eagle"]["forward"]["greedy"]["seconds"][0][0]
+    assert expand["leaves"] == [1, 2, 4] and 0 < expand["seconds"][0] < one_step  # its forward subtracted
     batch = prof["models"]["smollm2_135m"]["batch"]["greedy"]  # continuous batching (real/calibrate/batch.py)
     assert batch["batch"] == grid.batches and batch["k"] == grid.batch_target_k
     assert len(batch["seconds"]) == len(grid.batches) and all(v > 0 for row in batch["seconds"] for v in row)

@@ -52,7 +52,7 @@ def full_profile(exp, tp: bool = True, threads: int = PROFILE_THREADS, cores: in
         m.pop("tp", None)
         if tp and m["kind"] == "transformer":
             m["tp"] = TABLES
-        if m["kind"] == "transformer":
+        if m["kind"] in ("transformer", "eagle"):
             m["batch"] = BATCH_TABLES
     prof.update(schema=SCHEMA, dtype=real_dtype(exp), threads=threads, cores=cores,
                 probe={"gbps": 10.0, "forward_s": {name: 0.01 for name in prof["models"]}})

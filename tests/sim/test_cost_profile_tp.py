@@ -39,9 +39,12 @@ def profile_with_tp() -> dict:
     prof["models"]["smollm2_135m"]["tp"] = TABLES
     prof["models"]["smollm2_draft"] = {**prof["models"]["smollm2_exit10"], "kind": "transformer",
                                        "tp": TABLES}
-    # every draft available here is in a current profile: the shipped eagle head too
-    prof["models"]["smollm2_eagle"] = {**prof["models"]["smollm2_exit10"], "kind": "eagle", "tp": TABLES}
-    for name in ("smollm2_135m", "smollm2_draft"):  # batched forwards (real/calibrate/batch.py)
+    # every draft available here is in a current profile: the shipped eagle head too, with its
+    # tree tables (real/calibrate/tree.add_eagle_tree_tables)
+    prof["models"]["smollm2_eagle"] = {**prof["models"]["smollm2_exit10"], "kind": "eagle", "tp": TABLES,
+                                       "tree_expand": {"greedy": {"leaves": [1, 16], "seconds": [0.001, 0.002]}},
+                                       "tree_rounds": {"greedy": {"leaves": [1], "select_s": [0.0], "advance_s": [0.0]}}}
+    for name in ("smollm2_135m", "smollm2_draft", "smollm2_eagle"):  # batched forwards (real/calibrate/batch.py)
         prof["models"][name]["batch"] = BATCH_TABLES
     return prof
 
@@ -109,6 +112,36 @@ def test_a_transformer_drafts_tree_forward_pays_every_nodes_logits() -> None:
     c = tree_cost(2, profile_with_tp())
     ratio = at(TABLES["2"]["tree"], 4, 64) / at(TABLES["1"]["chain"], 4, 64)
     assert c.tree_forward("target", 4, 64) == pytest.approx(main_target(4, 64) * ratio + ACCEPT[4], rel=1e-9)
+
+
+EAGLE_BATCH = {"greedy": {"k": [1, 2], "batch": [1, 2, 4, 8, 16], "context": 128,
+                          "seconds": [[0.004, 0.005], [0.0045, 0.006], [0.005, 0.007], [0.009, 0.012], [0.018, 0.024]]}}
+
+
+def eagle_tree_cost() -> ProfileCost:
+    prof = make_profile()
+    prof["models"]["smollm2_eagle"] = {**prof["models"]["smollm2_exit10"], "kind": "eagle", "batch": EAGLE_BATCH}
+    exp = compose_exp("pair=smollm2_135m+smollm2_eagle", "hardware=local", "sim.cost_model=profile",
+                      "schedule=sync", "schedule.tree=true")
+    return ProfileCost(exp, profile=prof)
+
+
+def test_an_eagle_heads_tree_forward_pays_every_nodes_logits() -> None:
+    # The main table times the head's chain step (the LM head over the last pair only); a tree
+    # expansion of k nodes needs k rows of logits: the shape of the head's batched table (the
+    # layer and the LM head over B rows), read at B = k, at the main table's one-token level
+    c = eagle_tree_cost()
+    main, rows = c._forward["draft"], EAGLE_BATCH["greedy"]["seconds"]
+    for k, b in ((1, 0), (4, 2), (8, 3), (16, 4)):
+        for ctx in (64, 512):
+            assert c.tree_forward("draft", k, ctx) == pytest.approx(main(1, ctx) * rows[b][0] / rows[0][0], rel=1e-9)
+    growth = c.tree_forward("draft", 16, 64) / c.tree_forward("draft", 1, 64)
+    assert abs(growth - main(16, 64) / main(1, 64)) > 0.05  # not the chain table's growth: the test can tell
+    # several requests' expansions in one forward: the rows of all read the weights once
+    two = c.batch_forward("draft", [(8, 64), (8, 64)], tree=True)
+    assert two == pytest.approx(c.tree_forward("draft", 16, 0) + 2 * (c.tree_forward("draft", 8, 64)
+                                                                     - c.tree_forward("draft", 8, 0)), rel=1e-9)
+    assert two < 2 * c.tree_forward("draft", 8, 64) * 1.01
 
 
 def test_degree_follows_the_layout() -> None:
