@@ -133,7 +133,8 @@ class RunProbe:
     ``FORWARD_PROBE_SMALL_K`` and ``PROBE_TOKENS`` tokens there too: ``probe_target_k<k>_s``),
     standardized at the run's sampling settings — timed by a
     real run in its own processes on its own devices just before the requests it decodes (every
-    one, or every n-th of more than ``MAX_READINGS``) and averaged: the machine as this run found
+    one, or every n-th of more than ``MAX_READINGS``; under load, where requests overlap, before
+    serving and after the last answer) and averaged: the machine as this run found
     it (``sim.profile_drift=run_probe`` scales a prediction of the run by them). On this host the
     level of a two-process forward moved by 15 % within one 20 s run, so one reading before the
     first request did not follow the run it stood for; and a one-token forward (bandwidth-bound)

@@ -345,3 +345,32 @@ def test_the_serial_tree_with_an_eagle_head_under_batching_answers_as_served_alo
     rounds, _, timeline = ctx.rec.frames()[:3]
     assert timeline["batch"].max() == 3 and (rounds.verified_tokens <= 4).all() and rounds.accepted.sum() > 0
     assert max(parts) == 3  # one head forward for the three requests' expansion
+
+
+def test_under_load_the_run_probe_reads_before_and_after_serving_never_between_rounds(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The requests overlap, so a reading between them would delay rounds: one reading before
+    serving starts and one after the last answer bracket the run (``probe_points`` 2)."""
+    import time
+
+    from real.calibrate.probe_forward import RunProbe
+    from real.runtime import batching, engine
+
+    events: list[tuple[str, float]] = []
+    served = batching.serve_batched
+
+    def serve_batched(*args, **kwargs):  # type: ignore[no-untyped-def]
+        events.append(("start", time.perf_counter()))
+        served(*args, **kwargs)
+        events.append(("end", time.perf_counter()))
+
+    monkeypatch.setattr(batching, "serve_batched", serve_batched)
+    probe = RunProbe({"target": lambda: events.append(("probe", time.perf_counter()))})
+    exp = compose_exp("backend=real", "schedule=ar", "workload.concurrency=3")
+    target = tiny(0)
+    extra: dict = {}
+    engine.serve(exp, "ar", target, None, requests=_requests(5), eos=frozenset(), progress=False, extra=extra,
+                 probe=probe)
+    kinds = [k for k, _ in events]
+    first, last = kinds.index("start"), kinds.index("end")
+    assert set(kinds[:first]) == {"probe"} and set(kinds[last + 1:]) == {"probe"} and "probe" not in kinds[first:last]
+    assert extra["probe_points"] == 2
