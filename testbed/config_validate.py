@@ -158,7 +158,7 @@ REAL_MAX_BATCH = 64  # KV-cache rows a real run allocates at most (real/model/ba
 def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type: ignore[no-untyped-def]
     """What real/runtime/batching.py serves: `ar`, the chain of `sync` (a draft model, early exit,
     an eagle head or prompt lookup) and the serial tree (a draft model or an eagle head), in one process;
-    real/runtime/batching_async.py: `async` with a draft model, one device per group (`ar` and the
+    real/runtime/batching_async.py: `async` with a draft model or an eagle head, one device per group (`ar` and the
     chain also at TP > 1: the group's leader admits); and
     real/runtime/pipelined.py: `decentralized` (a draft model or prompt lookup) and `ar` over a
     pipeline of two nodes or more."""
@@ -167,15 +167,15 @@ def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type
         raise ConfigError("placement.nodes", exp.placement.nodes, f"2 or more under load ({load}) with "
                           f"schedule={spec.name} on backend=real: a one-node pipeline serves one request at "
                           "a time (schedule=sync batches the same draft on one node)")
-    tree_kinds = ("transformer", "eagle") if spec.layout in (SINGLE, TREE) else ("transformer",)
+    tree_kinds = ("transformer", "eagle") if spec.layout in (SINGLE, TREE, TWO_GROUPS) else ("transformer",)
     if (spec.tree or exp.schedule.tree) and kind not in tree_kinds:
         raise ConfigError("pair.draft.kind", kind, f"{' or '.join(tree_kinds)} under load ({load}) with "
                           f"{spec.name}'s token trees on backend=real: the batched trees grow on a draft "
                           f"{'model or head' if len(tree_kinds) > 1 else 'model'}'s own KV-cache rows")
-    if spec.drafts and kind == "eagle" and spec.layout not in (SINGLE, TREE):
+    if spec.drafts and kind == "eagle" and spec.layout == PIPELINE:
         raise ConfigError("pair.draft.kind", kind, f"transformer or ngram under load ({load}) with "
                           f"{spec.name} on backend=real: an eagle head serves the batched rounds of the sync "
-                          "chain and the serial tree (schedule=sync, schedule.tree=true) only")
+                          "chain, the serial tree and async only")
     w, cap = exp.workload, exp.serving.max_batch
     in_flight = w.concurrency if w.arrival == "closed" else w.num_prompts if w.arrival == "poisson" \
         else len(read_trace(w.trace_path))

@@ -195,7 +195,7 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
                     reply_features=role == "target" and exp.pair.draft.kind == "eagle")
         served = AsyncServed(role, [])
         if under_load(exp.workload):  # many requests in flight: real/runtime/batching_async.py
-            _serve_under_load(ctx, halves, side, served, requests=requests, eos=eos, params=params)
+            _serve_under_load(ctx, halves, side, served, requests=requests, eos=eos, params=params, eagle=eagle)
         elif role == "target":
             # an eagle head's target keeps its hidden states in every forward of the run, the
             # probes' too (such forwards run eagerly: a CUDA graph replays logits only)
@@ -228,7 +228,8 @@ def async_rank(ctx) -> AsyncServed:  # type: ignore[no-untyped-def]  # ctx: real
 
 
 def _serve_under_load(ctx, halves: TwoGroups, side: Side, served: AsyncServed, *,  # type: ignore[no-untyped-def]
-                      requests: list[RealRequest], eos: frozenset[int], params: SamplingParams) -> None:
+                      requests: list[RealRequest], eos: frozenset[int], params: SamplingParams,
+                      eagle: EagleDraft | None = None) -> None:
     """Both groups under load: d's probe and one drift probe each (the requests overlap), the
     batched rounds, then the target's `ar` at the same load while the draft waits."""
     from real.runtime import batching_async
@@ -257,7 +258,7 @@ def _serve_under_load(ctx, halves: TwoGroups, side: Side, served: AsyncServed, *
         return
     depth, t_target, t_draft = halves.probe_draft(side, exp, requests[0])
     halves.before_request(side, role, requests[0])
-    batching_async.draft_server(side, exp, requests, depth)
+    batching_async.draft_server(side, exp, requests, depth, eagle=eagle)
     if exp.real.baseline:
         batching_async.wait_for_baseline(side.peer)
     served.extra = {**depth.summary_fields(), "t_target_ms": 1e3 * t_target, "t_draft_ms": 1e3 * t_draft,

@@ -17,6 +17,12 @@ owns a batch row of the draft's KV cache and of the target's (real/model/batch.p
    tree d more times (d: the run's ``AsyncDepth``, fed this batch's round times);
 4. the draft re-roots every tree on its answer.
 
+An eagle head drafts too: the draft group keeps a row of the head's KV cache per request and
+starts it from the target's prompt features (``Kind.ACTIVATIONS``, sent after each prefill, in
+the header's order) instead of prefilling; the head's expansions of every tree meet in one head
+forward (real.model.eagle.eagle_rows_tree), and every answer carries the target's features of
+the accepted path, as one request's does.
+
 Each request keeps its own drafter, verifier and seeded generators as when served alone, and its
 logits in a batch equal its logits alone, so its output equals its one-request `async` output
 (at temperature 0: `ar`'s). The target's leader records the rounds and requests (with the
@@ -32,10 +38,14 @@ from typing import Any
 import torch
 
 from real.model.batch import CacheRows
+from real.model.eagle import EagleDraft, RowEagleDraft
+from real.model.eagle_tree import RowEagleTreeTokens
 from real.model.tree_tokens import DraftTreeTokens, TargetTreeTokens, tree_cache_slots
 from real.runtime.async_messages import (
     StaleTree,
     pack_batch,
+    prompt_features,
+    prompt_message,
     reply_message,
     reply_parts,
     unpack_batch,
@@ -109,11 +119,14 @@ def _per_expansion(seconds: float, grown: list[tuple[int, Any]]) -> list[float]:
 
 
 @torch.inference_mode()
-def draft_server(side: Any, exp: Any, requests: list[RealRequest], depth: AsyncDepth) -> None:
-    """The draft group's leader under load: arrivals, admission, the rounds (module docstring)."""
+def draft_server(side: Any, exp: Any, requests: list[RealRequest], depth: AsyncDepth, *,
+                 eagle: EagleDraft | None = None) -> None:
+    """The draft group's leader under load: arrivals, admission, the rounds (module docstring).
+    ``eagle``: an eagle head drafts (its rows of the head's KV cache), from the target's features."""
     s, now, rec = exp.schedule, side.now, side.rec
     longest = max(r.prompt_len + r.max_new_tokens for r in requests)
-    rows = CacheRows(side.model, batch_rows(exp, len(requests)), tree_cache_slots(longest))
+    rows = CacheRows(side.model if eagle is None else eagle.head.body, batch_rows(exp, len(requests)),
+                     tree_cache_slots(longest))
     meet, queue = Rendezvous(), Admission(exp)
     arrivals = WallClockArrivals(exp, requests, queue, now)
     running: list[DraftRequest] = []
@@ -133,11 +146,18 @@ def draft_server(side: Any, exp: Any, requests: list[RealRequest], depth: AsyncD
             torch.tensor([[t.arrival_s, t.admit_s] for t in admitted], dtype=torch.float64).reshape(-1, 2))))
         for t in admitted:  # while the target prefills them in its own rows
             s0 = now()
-            rows.prefill(t.row, t.ids[:-1])
+            gen = side.generator(t.req.request_id, DRAFT_SALT)
+            source: Any
+            if eagle is None:
+                rows.prefill(t.row, t.ids[:-1])
+                source = DraftTreeTokens(RowModel(rows, t.row, meet, lambda t=t: t.index), side.params, t.ids, gen)
+            else:  # no prefill here: the head starts from the target's prompt features
+                head = RowEagleDraft(eagle.head, eagle.target, eagle.params, eagle.name, rows=rows, row=t.row)
+                head.start(t.ids, features=prompt_features(side.peer.recv(), t.req.request_id, len(t.ids)))
+                source = RowEagleTreeTokens(head, side.params, t.ids, meet=meet, index=lambda t=t: t.index,
+                                            generator=gen)
             t.prefill_end = now()
             rec.span("draft", "prefill", s0, t.prefill_end, request_id=t.req.request_id)
-            source = DraftTreeTokens(RowModel(rows, t.row, meet, lambda t=t: t.index), side.params, t.ids,
-                                     side.generator(t.req.request_id, DRAFT_SALT))
             t.drafter = TreeDrafter(source, width=s.tree_width, budget=s.tree_budget, kv=side.kv, rows=side.rows)
         for i, t in enumerate(running):
             t.index = i
@@ -178,8 +198,8 @@ def draft_server(side: Any, exp: Any, requests: list[RealRequest], depth: AsyncD
             if msg.kind == Kind.STOP:
                 t.done = True
                 continue
-            tokens, _ = reply_parts(msg)
-            t.drafter.advance(tokens)  # re-root + KV compaction on its own row
+            tokens, features = reply_parts(msg)  # (features: an eagle head's, of the accepted path)
+            t.drafter.advance(tokens, features=features)  # re-root + KV compaction on its own row
             if len(t.ids) != msg.committed:
                 raise StaleTree(f"draft re-rooted after {len(t.ids)} tokens, the target after {msg.committed}")
             t.round += 1
@@ -201,8 +221,19 @@ def target_server(side: Any, exp: Any, requests: list[RealRequest], eos: frozens
                   slots: int) -> list[list[int]]:
     """The target group under load: each round's header, prefills, one batched verification of
     the round's subtrees, the answers; returns every request's output, in request order."""
-    now, rec = side.now, side.rec
     rows = CacheRows(side.model, batch_rows(exp, len(requests)), slots)
+    if side.reply_features:  # an eagle head drafts: the prefills' and verifications' hidden states
+        side.model.keep_hidden = True
+    try:
+        return _serve_target(side, exp, requests, eos, rows)
+    finally:
+        side.model.keep_hidden = False
+
+
+def _serve_target(side: Any, exp: Any, requests: list[RealRequest], eos: frozenset[int], rows: CacheRows,
+                  ) -> list[list[int]]:
+    """``target_server``'s rounds."""
+    now, rec = side.now, side.rec
     meet = Rendezvous()
     by_id = {r.request_id: r for r in requests}
     live: dict[int, TargetRequest] = {}
@@ -222,11 +253,15 @@ def target_server(side: Any, exp: Any, requests: list[RealRequest], eos: frozens
             t = TargetRequest(req, arrival_s=arrival, admit_s=admit, row=rows.acquire(), ids=list(req.prompt_ids))
             s0 = now()
             rows.prefill(t.row, t.ids[:-1])
+            if side.reply_features:  # the eagle head starts from them
+                side.peer.send(prompt_message(rid, len(t.ids), side.model.last_hidden[0, :len(t.ids) - 1]))
             t.start_s = t.t_prev = now()
             t.prefill_s = t.start_s - s0
             rec.span("target", "prefill", s0, t.start_s, request_id=rid)
-            t.verifier = TargetTreeTokens(RowModel(rows, t.row, meet, lambda t=t: t.index), side.params,
-                                          side.generator(rid, TARGET_SALT))
+            row = RowModel(rows, t.row, meet, lambda t=t: t.index, features=side.reply_features)
+            t.verifier = TargetTreeTokens(row, side.params, side.generator(rid, TARGET_SALT),
+                                          features_of=(lambda n, row=row: row.last_hidden[n]) if side.reply_features
+                                          else None)
             live[rid] = t
         batch = [live[rid] for rid in order]
         trees = []
@@ -247,7 +282,7 @@ def target_server(side: Any, exp: Any, requests: list[RealRequest], eos: frozens
             t.out, done = finish(t.out, res.tokens, t.req.max_new_tokens, eos)
             t.ids.extend(res.tokens)
             side.peer.send(reply_message(t.req.request_id, t.rounds, done=done, committed=len(t.ids),
-                                         tokens=res.tokens, features=None))
+                                         tokens=res.tokens, features=res.features))
             rec.round(request_id=t.req.request_id, round_idx=t.rounds, start_s=t.t_prev, end_s=e,
                       drafted=len(tree) - 1, checked=res.checked, accepted=res.accepted,
                       emitted=len(t.out) - before, verified_tokens=len(tree), draft_s=draft_s, target_s=e - s0)

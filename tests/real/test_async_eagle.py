@@ -13,6 +13,7 @@ import dataclasses
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -360,3 +361,59 @@ def test_eagle_with_async_refuses_a_tensor_parallel_draft_group() -> None:
     with pytest.raises(ConfigError, match=r"placement.draft_gpus=2 is not allowed: 1 with an eagle draft"):
         compose_exp("backend=real", "pair=smollm2_135m+smollm2_eagle", "schedule=async", "placement.draft_gpus=2",
                     "hardware.gpus_per_node=4")
+
+
+# ------------------------------------------------------------------- under load
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_async_with_an_eagle_head_under_load_answers_each_request_as_served_alone(temperature: float,
+                                                                                  monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Requests of different lengths join and leave the batch of trees: the draft group starts
+    each request's head row from the target's prompt features and re-roots it on the features
+    of every answer, the head's expansions of all trees in one forward; each answer is the one
+    the one-request async workers give it (temperature 0: greedy decoding)."""
+    from real.model import eagle_tree
+    from real.runtime.batching_async import draft_server, target_server
+    from testbed.spec.tree_drafter import AsyncDepth
+
+    params = SamplingParams(temperature=temperature)
+    target = tiny(0, WIDE)
+    head = EagleHead(target.args).init_random(2, std=0.5)
+    gen = torch.Generator().manual_seed(8)
+    reqs = [RealRequest(i, f"p{i}", torch.randint(0, TINY.vocab_size, (3 + 4 * (i % 3),), generator=gen).tolist(),
+                        6 + 5 * (i % 3)) for i in range(5)]
+
+    def sides(draft_model: Any) -> tuple[Side, Side, list]:  # type: ignore[type-arg]
+        ends = LoopbackTransport.connect("bridge", (0, 1), recv_timeout_s=30.0)
+        t = Side(target, LocalModel(target), params, Peer(ends[0], ends[0], lambda m: m), RunRecorder(),
+                 time.perf_counter, 0, reply_features=True)
+        source, start = eagle_hooks(draft_model, params, cache_slots=256)
+        d = Side(None, None, params, Peer(ends[1], ends[1], lambda m: m), RunRecorder(), time.perf_counter, 0,
+                 draft_source=source, start_features=start)
+        return t, d, list(ends.values())
+
+    def reset() -> None:
+        target.keep_hidden = False
+
+    target.setup_cache(256)
+    t, d, ends = sides(EagleDraft(head, copy.deepcopy(target), params, "eagle"))
+    run_both(lambda: [target_worker(t, r, frozenset()) for r in reqs],
+             lambda: [draft_worker(d, r, 2, width=3, budget=5) for r in reqs], ends, after=reset)
+    alone = [r["output_ids"] for r in sorted(t.rec.requests, key=lambda r: r["request_id"])]
+
+    exp = compose_exp("schedule=async", "schedule.tree_width=3", "schedule.tree_budget=5", "workload.concurrency=3",
+                      f"sampling.temperature={temperature}")
+    parts: list[int] = []
+    batched = eagle_tree.eagle_rows_tree
+    t, d, ends = sides(EagleDraft(head, copy.deepcopy(target), params, "eagle"))
+    got: list[list[int]] = []
+    monkeypatch.setattr(eagle_tree, "eagle_rows_tree", lambda p: parts.append(len(p)) or batched(p))
+    run_both(lambda: got.extend(target_server(t, exp, reqs, frozenset(), slots=64)),
+             lambda: draft_server(d, exp, reqs, AsyncDepth.constant(2),
+                                  eagle=EagleDraft(head, copy.deepcopy(target), params, "eagle")), ends)
+    assert got == alone
+    if temperature == 0:
+        assert alone == [_greedy(target, r.prompt_ids, r.max_new_tokens) for r in reqs]
+    assert not target.keep_hidden  # the server hands the target back without its hidden states
+    rounds, _, timeline = t.rec.frames()
+    verify = timeline[(timeline.resource == "target") & (timeline.kind == "verify")]
+    assert verify.batch.max() == 3 and rounds.accepted.sum() > 0 and max(parts) == 3
