@@ -160,8 +160,8 @@ def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type
     an eagle head or prompt lookup) and the serial tree (a draft model or an eagle head), in one process;
     real/runtime/batching_async.py: `async` with a draft model or an eagle head, one device per group (`ar` and the
     chain also at TP > 1: the group's leader admits); and
-    real/runtime/pipelined.py: `decentralized` (a draft model or prompt lookup) and `ar` over a
-    pipeline of two nodes or more."""
+    real/runtime/pipelined.py: `decentralized` (a draft model, an eagle head or prompt lookup) and
+    `ar` over a pipeline of two nodes or more."""
     kind = exp.pair.draft.kind
     if spec.layout == PIPELINE and exp.placement.nodes < 2:
         raise ConfigError("placement.nodes", exp.placement.nodes, f"2 or more under load ({load}) with "
@@ -172,10 +172,6 @@ def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type
         raise ConfigError("pair.draft.kind", kind, f"{' or '.join(tree_kinds)} under load ({load}) with "
                           f"{spec.name}'s token trees on backend=real: the batched trees grow on a draft "
                           f"{'model or head' if len(tree_kinds) > 1 else 'model'}'s own KV-cache rows")
-    if spec.drafts and kind == "eagle" and spec.layout == PIPELINE:
-        raise ConfigError("pair.draft.kind", kind, f"transformer or ngram under load ({load}) with "
-                          f"{spec.name} on backend=real: an eagle head serves the batched rounds of the sync "
-                          "chain, the serial tree and async only")
     w, cap = exp.workload, exp.serving.max_batch
     in_flight = w.concurrency if w.arrival == "closed" else w.num_prompts if w.arrival == "poisson" \
         else len(read_trace(w.trace_path))

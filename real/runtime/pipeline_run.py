@@ -239,12 +239,22 @@ def _first_stage(stage: Stage, exp: ExperimentConfig, *, served: StageServed, re
 
 def _request_drafts(draft, rows: int, slots: int):  # type: ignore[no-untyped-def]
     """Each request's draft state by its row: the one draft served alone (row 0); under load a
-    draft model's own KV-cache row per request, a lookup's own state (real/model/drafts.py)."""
+    draft model's own KV-cache row per request, an eagle head's own row of its cache (and its
+    own features, from the last stage's answers), a lookup's own state (real/model/drafts.py)."""
     from real.model.batch import CacheRows
     from real.model.drafts import ModelDraft, NgramDraft, RowModelDraft
+    from real.model.eagle import EagleDraft, RowEagleDraft
 
     if not rows:
         return lambda row: draft
+    if isinstance(draft, EagleDraft):
+        head_rows = CacheRows(draft.head.body, rows, slots)
+
+        def row_head(row: int) -> RowEagleDraft:
+            mine = RowEagleDraft(draft.head, draft.target, draft.params, draft.name, rows=head_rows, row=row)
+            mine.record_features = draft.record_features
+            return mine
+        return row_head
     if isinstance(draft, ModelDraft):
         cache = CacheRows(draft.model, rows, slots)
 

@@ -16,7 +16,9 @@ off the ring while the first stage computes, so a request that arrives while eve
 admitted at once.
 
 Each request drafts from its own generator and draft state (a draft model: its own row of the
-draft's KV cache, ``RowModelDraft``), and a row computes what the one-request row computes, so
+draft's KV cache, ``RowModelDraft``; an eagle head: its own row of the head's cache and its own
+features, from the last stage's answers, ``RowEagleDraft``), and a row computes what the
+one-request row computes, so
 every request's output equals its output served alone, at any temperature.
 """
 

@@ -12,6 +12,7 @@ import torch
 from real.model.batch import CacheRows
 from real.model.decoder import Transformer
 from real.model.drafts import ModelDraft, NgramDraft, RowModelDraft
+from real.model.eagle import EagleDraft, EagleHead, RowEagleDraft
 from real.model.generate import greedy_generate
 from real.runtime.context import RealRequest
 from real.runtime.pipeline import Stage, ar_flow, run_alone
@@ -60,10 +61,18 @@ def _ring(exp, params: SamplingParams, reqs: list[RealRequest], *, rows: int, dr
     cache = CacheRows(model, rows, ROWS_SLOTS) if model is not None and rows else None
     if model is not None and not rows:
         model.setup_cache(ROWS_SLOTS)
+    # an eagle head on the first stage (the target's embedding and LM head: stage0 holds every
+    # weight), fed the target's features that stage1 returns; its own row per request under load
+    head = EagleHead(TINY).init_random(2, std=0.5) if draft == "eagle" else None
+    head_rows = CacheRows(head.body, rows, ROWS_SLOTS) if head is not None and rows else None
 
     def draft_of(row: int):  # type: ignore[no-untyped-def]
         if draft == "ngram":
             return NgramDraft(2, TINY.vocab_size)
+        if head is not None:
+            if head_rows is not None:
+                return RowEagleDraft(head, first, dparams, "eagle", rows=head_rows, row=row)
+            return EagleDraft(head, first, dparams, "eagle")
         if cache is not None:
             return RowModelDraft(model, dparams, "d", rows=cache, row=row)
         return ModelDraft(model, dparams, "d")
@@ -73,14 +82,17 @@ def _ring(exp, params: SamplingParams, reqs: list[RealRequest], *, rows: int, dr
             if draft is None:
                 return ar_flow(s0, req, frozenset(), None, rec=rec, phase=0, row=row)
             return dsd_flow(s0, draft_of(row), req, frozenset(), exp=exp, rec=rec,
-                            send_dists=not params.greedy and draft == "model", row=row)
+                            send_dists=not params.greedy and draft in ("model", "eagle"), row=row)
 
         if rows:
             return serve_pipelined(s0, exp, reqs, flow, rec=rec, rows=rows)
         return [run_alone(s0, flow(req, 0)) for req in reqs]
 
-    outputs = run_ring(first, last, split=half, rec=rec, serve=serve, latency_s=LATENCY_S,
-                       make_verify=lambda m: make_verifier(exp, TINY.vocab_size, m.request_id, baseline=False))
+    try:
+        outputs = run_ring(first, last, split=half, rec=rec, serve=serve, latency_s=LATENCY_S, features=head is not None,
+                           make_verify=lambda m: make_verifier(exp, TINY.vocab_size, m.request_id, baseline=False))
+    finally:
+        first.keep_hidden = False
     return outputs, rec
 
 
@@ -100,7 +112,7 @@ def _rounds_overlap(rec: RunRecorder) -> bool:
 
 @pytest.mark.parametrize(("schedule", "draft", "temperature"), [
     ("decentralized", "model", 0.0), ("decentralized", "model", 1.0), ("decentralized", "ngram", 0.0),
-    ("ar", None, 1.0)])
+    ("decentralized", "eagle", 0.0), ("decentralized", "eagle", 1.0), ("ar", None, 1.0)])
 def test_requests_in_flight_answer_as_served_alone(schedule: str, draft: str | None, temperature: float) -> None:
     exp = compose_exp(f"schedule={schedule}", "placement.nodes=2", "schedule.gamma=3",
                       f"sampling.temperature={temperature}", "workload.concurrency=3")
