@@ -157,10 +157,10 @@ REAL_MAX_BATCH = 64  # KV-cache rows a real run allocates at most (real/model/ba
 
 def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type: ignore[no-untyped-def]
     """What real/runtime/batching.py serves: `ar`, the chain of `sync` (a draft model, early exit,
-    an eagle head or prompt lookup) and the serial tree (a draft model or an eagle head), in one process;
-    real/runtime/batching_async.py: `async` with a draft model or an eagle head, one device per group (`ar` and the
-    chain also at TP > 1: the group's leader admits); and
-    real/runtime/pipelined.py: `decentralized` (a draft model, an eagle head or prompt lookup) and
+    an eagle head or prompt lookup) and the serial tree (a draft model or an eagle head), in one
+    process or over a TP group (the leader admits; every rank runs the same rounds);
+    real/runtime/batching_async.py: `async` with a draft model or an eagle head, one device per
+    group; and real/runtime/pipelined.py: `decentralized` (a draft model, an eagle head or prompt lookup) and
     `ar` over a pipeline of two nodes or more."""
     kind = exp.pair.draft.kind
     if spec.layout == PIPELINE and exp.placement.nodes < 2:
@@ -181,11 +181,10 @@ def _validate_real_load(exp: ExperimentConfig, spec, load: str) -> None:  # type
                           "the longest request's slots from admission")
     pl = exp.placement
     tp = max(pl.target_gpus, pl.draft_gpus if spec.drafts else 1)
-    if tp > 1 and (spec.layout != SINGLE or spec.tree or exp.schedule.tree):
+    if tp > 1 and spec.layout not in (SINGLE, TREE):
         raise ConfigError("placement.target_gpus" if pl.target_gpus > 1 else "placement.draft_gpus", tp,
-                          f"1 under load ({load}) with {spec.name}{' schedule.tree=true' if exp.schedule.tree else ''}"
-                          " on backend=real: tensor parallelism serves the batched rounds of `ar` and the sync "
-                          "chain")
+                          f"1 under load ({load}) with {spec.name} on backend=real: tensor parallelism serves the batched rounds of `ar`, the sync "
+                          "chain and the serial tree")
 
 
 def validate(exp: ExperimentConfig) -> ExperimentConfig:

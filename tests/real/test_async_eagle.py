@@ -339,15 +339,17 @@ def test_async_with_an_eagle_head_on_two_processes_equals_ar_at_temperature_0(ti
 
 
 @two_cores
-def test_an_eagle_head_beside_a_tensor_parallel_target_under_load_equals_ar(tiny_eagle) -> None:  # type: ignore[no-untyped-def]
-    """The sync chain under load with the target over a TP 2 group: each rank runs the whole
-    head (not sharded) on the all-reduced features; every answer is single-process `ar`'s (the
-    ranks' outputs are compared in the run)."""
+@pytest.mark.parametrize("tree", [False, True])
+def test_an_eagle_head_beside_a_tensor_parallel_target_under_load_equals_ar(tiny_eagle, tree: bool) -> None:  # type: ignore[no-untyped-def]
+    """The sync chain or the serial tree under load with the target over a TP 2 group: each rank
+    runs the whole head (not sharded) on the all-reduced features; every answer is
+    single-process `ar`'s (the ranks' outputs are compared in the run)."""
     from real.runtime.engine import run
 
     common = ("schedule=sync", "workload.num_prompts=3", "workload.max_new_tokens=12")
     alone = run(_tiny_exp(*tiny_eagle, *common, "schedule=ar"))
-    two = run(_tiny_exp(*tiny_eagle, *common, "workload.concurrency=3", "placement.target_gpus=2"))
+    two = run(_tiny_exp(*tiny_eagle, *common, "workload.concurrency=3", "placement.target_gpus=2",
+                        *(("schedule.tree=true", "schedule.tree_depth=2") if tree else ())))
     assert two.extra["processes"] == 2 and two.extra["draft"] == "smollm2_eagle"
     by_id = {r["request_id"]: r["output_ids"] for r in two.recorder.requests}
     assert by_id == {r["request_id"]: r["output_ids"] for r in alone.recorder.requests}

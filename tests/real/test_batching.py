@@ -254,8 +254,6 @@ def test_batched_sync_samples_the_target_distribution_at_temperature_1() -> None
 @pytest.mark.parametrize(("overrides", "says"), [
     (("schedule=sync", "schedule.tree=true", "pair=smollm2_135m+ngram3"), "pair.draft.kind"),
     (("schedule=async", "placement.target_gpus=2", "hardware.gpus_per_node=3"), "placement.target_gpus"),
-    (("schedule=sync", "schedule.tree=true", "placement.target_gpus=2", "placement.draft_gpus=2"),
-     "placement.target_gpus"),
     (("schedule=ar", "workload.concurrency=65"), "serving.max_batch=0"),  # 65 KV-cache rows
 ])
 def test_what_the_real_backend_cannot_batch_says_so(overrides: tuple[str, ...], says: str, tmp_path: Path) -> None:

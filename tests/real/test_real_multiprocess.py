@@ -62,11 +62,12 @@ def test_tensor_parallel_run_equals_the_single_process_run(tiny_pair, schedule, 
 
 
 
-@pytest.mark.parametrize("schedule", [SYNC, pytest.param(("schedule=ar",), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("schedule", [SYNC, TREE, pytest.param(("schedule=ar",), marks=pytest.mark.slow)])
 def test_tensor_parallel_under_load_equals_the_single_process_run(tiny_pair, schedule) -> None:  # type: ignore[no-untyped-def]
     """Three clients on a TP 2 group: its leader admits and tells the other rank, both serve the
-    same batched rounds (the native batched kernel all-reducing between layers); every request's
-    answer is the single-process `ar` answer, on the leader and on the other rank."""
+    same batched rounds (the native batched kernel all-reducing between layers; the serial tree's
+    per-request threads meet in the same batched forwards on both ranks); every request's answer
+    is the single-process `ar` answer, on the leader and on the other rank."""
     target, draft = tiny_pair
     common = ("backend=real", f"pair.target.path={target}", f"pair.draft.path={draft}",
               "workload.num_prompts=4", "workload.max_new_tokens=16", "real.ignore_eos=true",

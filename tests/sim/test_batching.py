@@ -157,8 +157,8 @@ def test_a_request_larger_than_the_kv_budget_is_refused(tmp_path: Path) -> None:
      "a one-node pipeline serves one request at a time"),
     (("backend=real", "schedule=async", "pair=smollm2_135m+ngram3", "workload.concurrency=2"),
      "transformer or eagle under load (workload.arrival=closed with workload.concurrency=2) with async's token trees"),
-    (("backend=real", "workload.concurrency=2", "schedule.tree=true", "placement.target_gpus=2",
-      "placement.draft_gpus=2"), "tensor parallelism serves the batched rounds of `ar` and the sync chain"),
+    (("backend=real", "workload.concurrency=2", "schedule=async", "placement.target_gpus=2",
+      "hardware.gpus_per_node=3"), "tensor parallelism serves the batched rounds of `ar`, the sync chain and the serial tree"),
     (("serving.max_batch=4",), "has no effect"),
     (("workload.concurrency=2", "workload.rate=3"), "workload.arrival=poisson"),
 ])
