@@ -5,8 +5,9 @@ last-level cache: a forward is slower while the other core streams the other mod
 ``measure_contention`` measures it in one ``real.runtime.launch.launch`` of two pinned workers with one
 intra-op thread each (how an async run executes):
 
-- rank 0 times a tree-masked forward (real/calibrate/tp.py's ``tree`` shape) of the *measured*
-  model over k tokens at one context, first with rank 1 idle (``alone``), then while rank 1 runs
+- rank 0 times a tree-masked forward (real/calibrate/tp.py's ``tree`` shape; an eagle head's
+  layer and the target's LM head over every node) of the *measured* model over k tokens at one
+  context, first with rank 1 idle (``alone``), then while rank 1 runs
   forwards of the *busy* model back to back (``busy``: tree forwards of ``busy_k`` tokens, what a
   target verification or a draft expansion streams);
 - for every (measured, busy) of the pair: (target, draft) and (draft, target); alone and busy
@@ -59,7 +60,7 @@ def contention_worker(ctx: Any, models: dict[str, str | None], grid_d: dict[str,
     the bundled GGUF), the first the target; ``control``: a path prefix for the stop flags (rank 1
     checks a file between forwards: cheaper and surer than polling a pending receive). Rank 0
     returns {(measured, busy): {"alone": {k: [s]}, "busy": {k: [s]}}}; rank 1 returns None."""
-    from real.calibrate.tp import DTYPES, _forward_fn, _load
+    from real.calibrate.tp import DTYPES
 
     grid = ContentionGrid(**grid_d)
     rank = ctx.info.index
@@ -67,11 +68,11 @@ def contention_worker(ctx: Any, models: dict[str, str | None], grid_d: dict[str,
     gen = torch.Generator().manual_seed(11)
     max_seq = grid.context + max(*grid.k, grid.busy_k) + 8
     with torch.inference_mode():
-        loaded = {n: _load(p, DTYPES[real_dtype(ctx.exp)], max_seq) for n, p in models.items()}
+        loaded = _load_all(models, DTYPES[real_dtype(ctx.exp)], max_seq)
         if rank == 1:
             _neighbour(loaded, names, grid=grid, gen=gen, control=control)
             return None
-        fns = {(n, k): _forward_fn(loaded[n], "tree", k=k, context=grid.context, gen=gen) for n in names for k in grid.k}
+        fns = {(n, k): _tree_fn(loaded[n], k=k, context=grid.context, gen=gen) for n in names for k in grid.k}
         for fn in fns.values():
             fn()  # warm-up
         pairs = [(m, b) for m in names for b in names if m != b]
@@ -93,6 +94,47 @@ def contention_worker(ctx: Any, models: dict[str, str | None], grid_d: dict[str,
     return out
 
 
+def _load_all(models: dict[str, str | None], dtype: torch.dtype, max_seq: int) -> dict[str, Any]:
+    """Each model by name; an eagle head's directory as (head, target): it reads the target's
+    embedding and LM head (the target, first in ``models``, is loaded before it)."""
+    from real.calibrate.tp import _load
+    from real.model.eagle import is_eagle_dir, load_head
+    from testbed.paths import repo_path
+
+    out: dict[str, Any] = {}
+    target = None
+    for name, path in models.items():
+        if path is not None and is_eagle_dir(repo_path(path)):
+            assert target is not None, "the target comes first"
+            head = load_head(repo_path(path), target)
+            head.body.setup_cache(max_seq)
+            out[name] = (head, target)
+        else:
+            out[name] = _load(path, dtype, max_seq)
+            target = target if target is not None else out[name]
+    return out
+
+
+def _tree_fn(model: Any, *, k: int, context: int, gen: torch.Generator) -> Callable[[], Any]:
+    """A tree-shaped forward over k nodes with every node's logits: a model's
+    (real/calibrate/tp.py), or an eagle head's (its layer, then the target's LM head over every
+    node, as its tree expansions run: real/model/eagle_tree.py)."""
+    from real.calibrate.tp import _forward_fn, tree_mask
+
+    if not isinstance(model, tuple):
+        return _forward_fn(model, "tree", k=k, context=context, gen=gen)
+    head, target = model
+    x = torch.randint(target.args.vocab_size, (1, k), generator=gen)
+    feats = torch.zeros(1, k, target.args.dim, dtype=target.dtype)  # its cost does not depend on them
+    pos = torch.arange(context, context + k)
+    mask, depths = tree_mask(k, context)
+
+    def forward() -> Any:
+        h = head.body.forward_layers(head.inputs(target, x, feats), pos, mask, position_ids=context + depths)
+        return target.head(h)
+    return forward
+
+
 def _time_ks(fns: dict, name: str, ks: list[int], into: dict[int, list[float]]) -> None:
     for k in ks:
         t = time.perf_counter()
@@ -103,9 +145,7 @@ def _time_ks(fns: dict, name: str, ks: list[int], into: dict[int, list[float]]) 
 def _neighbour(loaded: dict[str, Any], names: list[str], *, grid: ContentionGrid, gen: torch.Generator,
                control: str) -> None:
     """Rank 1: idle until told to stream a model's forwards, stream until the stop flag appears."""
-    from real.calibrate.tp import _forward_fn
-
-    fns = {n: _forward_fn(loaded[n], "tree", k=grid.busy_k, context=grid.context, gen=gen) for n in names}
+    fns = {n: _tree_fn(loaded[n], k=grid.busy_k, context=grid.context, gen=gen) for n in names}
     cmd = torch.zeros(2, dtype=torch.long)
     burst = 0
     while True:
@@ -161,8 +201,8 @@ def measure_contention(exp: ExperimentConfig, models: dict[str, str | None],
 
 def add_contention(exp: ExperimentConfig, models: dict[str, Any], *, paths: dict[str, str | None],
                    log: Callable[[str], None], tp_grid: Any = None) -> None:
-    """Measure the target against every draft model of ``paths`` (target first) and store the
-    tables in ``models[name]["contended"]``; a failure is logged and leaves the profile without
+    """Measure the target against every draft model or eagle head of ``paths`` (target first)
+    and store the tables in ``models[name]["contended"]``; a failure is logged and leaves the profile without
     them (the simulator then predicts async without contention)."""
     names = list(paths)
     target, grid = names[0], ContentionGrid.like(tp_grid)

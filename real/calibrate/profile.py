@@ -375,7 +375,9 @@ def _measure_tp(exp: ExperimentConfig, models: dict[str, Any], grid: Any,
     except Exception as e:  # noqa: BLE001 - the TP 1 tables are still useful
         log(f"tensor-parallel tables: skipped ({type(e).__name__}: {e})")
         part = {}
-    add_contention(exp, part.setdefault("models", {}), paths=paths, log=log, tp_grid=grid)  # async's two cores
+    # async's two cores: the draft models, and an eagle head (not sharded: no TP tables of its own)
+    heads = {d.name: d.path for d in drafts_to_measure(exp) if d.kind == "eagle" and d.name in models}
+    add_contention(exp, part.setdefault("models", {}), paths={**paths, **heads}, log=log, tp_grid=grid)
     return part
 
 

@@ -77,8 +77,7 @@ def async_round(ctx: SimContext, running: list[Any], r: int) -> Generator[Any, A
 
     # 1-2. fill every tree, select and send each subtree
     fills = [list(a.drafter.core.fill()) for a in running]
-    times = yield from _expansions(ctx, fills, r, rid, n)
-    st["times"] += times
+    times = yield from _expansions(ctx, fills, r, rid, n)  # (not d's: only the grow phase's, as the real draft)
     for a, g in zip(running, fills):
         a.draft_s += sum(times[:len(g)])
     picked = []

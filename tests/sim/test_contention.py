@@ -59,12 +59,22 @@ def test_sim_async_reports_the_contention_it_used(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2, reason="needs two cores")
-def test_contention_is_measured_with_two_pinned_workers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["transformer", "eagle"])
+def test_contention_is_measured_with_two_pinned_workers(tmp_path: Path, kind: str) -> None:
+    """A draft model's or an eagle head's tree forwards beside the target's (the head: its layer
+    and the target's LM head over every node, on the target rank 0 loaded first)."""
     from real.calibrate.contention import ContentionGrid, measure_contention
     from tests.helpers.tiny_checkpoint import write_tiny_checkpoint
 
     target = write_tiny_checkpoint(tmp_path / "t", seed=1, layers=2)
-    draft = write_tiny_checkpoint(tmp_path / "d", seed=2, layers=1)
+    if kind == "eagle":
+        from real.model.eagle import EagleHead, save_head
+        from real.model.weights import load_model
+
+        draft = tmp_path / "d"
+        save_head(EagleHead(load_model(target, max_seq=16)[0].args).init_random(3), draft, target_name="tiny")
+    else:
+        draft = write_tiny_checkpoint(tmp_path / "d", seed=2, layers=1)
     exp = compose_exp("backend=real", f"pair.target.path={target}", f"pair.draft.path={draft}")
     grid = ContentionGrid(k=[1, 4], context=16, busy_k=4, repeats=2)
     lines: list[str] = []
