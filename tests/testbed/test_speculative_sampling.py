@@ -127,6 +127,26 @@ def test_temperature_zero_is_one_hot_argmax_first_max():
     assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
 
 
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_temperature_zero_takes_the_first_maximum_on_tied_vocabulary_rows(path, monkeypatch):
+    """bf16 logits tie at the maximum (rounded rows more so): the native top-1 and the fallback
+    both pick torch.argmax's first maximum, row by row and for a [V] row alone."""
+    if path == "native" and not native.AVAILABLE:
+        pytest.skip("native kernels not built")
+    if path == "torch":
+        monkeypatch.setattr(native, "topk", lambda x, k: None)
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 49152, generator=gen) * 3).to(torch.bfloat16)
+    logits[1:4] = logits[1:4].float().round().clamp(max=2.0).to(torch.bfloat16)  # thousands tied at the top
+    logits[4, [7, 900, 49151]] = 40.0  # three tied leaders
+    want = logits.float().argmax(-1)
+    assert int((logits[1].float() == logits[1].float().max()).sum()) > 1
+    probs = standardize(logits, SamplingParams(temperature=0.0))
+    assert torch.equal(probs.argmax(-1), want) and torch.equal(probs.sum(-1), torch.ones(6))
+    assert int(want[4]) == 7
+    assert torch.equal(standardize(logits[2], SamplingParams(temperature=0.0)), probs[2])
+
+
 def test_temperature_scales_logits():
     logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
     probs = standardize(logits, SamplingParams(temperature=0.6))
