@@ -256,3 +256,26 @@ def test_async_depth_of_an_ngram_draft_times_the_real_probes_one_leaf_expansion(
                         "schedule.tree_width=4", "workload.num_prompts=1", "workload.max_new_tokens=16")).extra
     assert x["t_draft_ms"] == pytest.approx(1.0)
     assert x["tree_depth_used"] == min(64, math.floor(x["t_target_ms"] / 1.0 + 0.5))
+
+
+@pytest.mark.parametrize("table", ["tree_expand", "batch"])
+def test_a_profile_without_an_eagle_heads_tree_or_batched_table_is_measured_again(tmp_path: Path, table: str) -> None:
+    """An eagle head's tree expansions are costed from its batched table and its calibrated
+    expansion overhead: a profile from before either would charge a tree expansion as the head's
+    chain step, so the sweep's EnsureProfile re-measures it."""
+    import json
+
+    from real.calibrate.ensure_profile import profile_is_current
+    from real.calibrate.profile import SCHEMA
+
+    exp = compose_exp("pair=smollm2_135m+smollm2_eagle", "hardware=local", "backend=real")
+    prof = profile_with_tp()
+    prof.update(schema=SCHEMA, dtype=real_dtype(exp), probe={
+        "gbps": 10.0, "forward_s": {name: 0.01 for name in prof["models"]}})
+    path = tmp_path / "local.json"
+    path.write_text(json.dumps(prof))
+    assert profile_is_current(path, exp) == (True, "current")
+    del prof["models"]["smollm2_eagle"][table]
+    path.write_text(json.dumps(prof))
+    current, why = profile_is_current(path, exp)
+    assert not current and "smollm2_eagle" in why
