@@ -146,6 +146,27 @@ def test_temperature_0_outputs_under_batching_equal_ar_alone(load: tuple[str, ..
     assert (requests.finish_s >= requests.first_token_s).all()
 
 
+def _eagle_alone_and_batched(exp, serve, *, seed: int) -> RealContext:  # type: ignore[no-untyped-def]
+    """Six requests of mixed lengths on a 4-token target (a random head's guesses are often
+    right) with an eagle head: served alone by ``serve``, then under ``exp``'s load; asserts every
+    answer under load is the one served alone (at temperature 0: `ar`'s); the batched run."""
+    params = SamplingParams(temperature=exp.sampling.temperature)
+    target, _ = two_token_pair(2)
+    gen = torch.Generator().manual_seed(seed)
+    reqs = [RealRequest(i, f"p{i}", torch.randint(0, TWO_TOKEN_VOCAB, (2 + 3 * (i % 3),), generator=gen).tolist(),
+                        8 + 4 * (i % 3)) for i in range(6)]
+    head = EagleHead(target.args).init_random(2, std=0.5)
+    try:
+        alone = _alone(exp, target, EagleDraft(head, target, params, "eagle"), params, serve, reqs)
+        ctx = _batched(exp, target, EagleDraft(head, target, params, "eagle"), params, reqs)
+    finally:
+        target.keep_hidden = False
+    assert _by_request(ctx) == alone
+    if params.greedy:
+        assert alone == _alone(exp, target, None, params, serve_ar, reqs)
+    return ctx
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_an_eagle_head_under_batching_answers_as_served_alone(temperature: float, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Each request's head state (its row of the head's cache, the target's features of its
@@ -156,21 +177,8 @@ def test_an_eagle_head_under_batching_answers_as_served_alone(temperature: float
     steps: list[int] = []
     batched = batching.eagle_rows_logits
     monkeypatch.setattr(batching, "eagle_rows_logits", lambda s: steps.append(len(s)) or batched(s))
-    params = SamplingParams(temperature=temperature)
-    target, _ = two_token_pair(2)  # 4 tokens: a random head's guesses are often right
-    gen = torch.Generator().manual_seed(2)
-    reqs = [RealRequest(i, f"p{i}", torch.randint(0, TWO_TOKEN_VOCAB, (2 + 3 * (i % 3),), generator=gen).tolist(),
-                        8 + 4 * (i % 3)) for i in range(6)]
     exp = compose_exp("schedule.gamma=3", "workload.concurrency=3", f"sampling.temperature={temperature}")
-    head = EagleHead(target.args).init_random(2, std=0.5)
-    try:
-        alone = _alone(exp, target, EagleDraft(head, target, params, "eagle"), params, serve_sync, reqs)
-        ctx = _batched(exp, target, EagleDraft(head, target, params, "eagle"), params, reqs)
-    finally:
-        target.keep_hidden = False
-    assert _by_request(ctx) == alone
-    if temperature == 0:
-        assert alone == _alone(exp, target, None, params, serve_ar, reqs)
+    ctx = _eagle_alone_and_batched(exp, serve_sync, seed=2)
     rounds, _, timeline = ctx.rec.frames()[:3]
     assert timeline["batch"].max() == 3 and rounds.accepted.sum() > 0  # shared rounds; features handed over
     assert max(steps) == 3  # one head forward for the three requests' step
@@ -323,23 +331,10 @@ def test_the_serial_tree_with_an_eagle_head_under_batching_answers_as_served_alo
 
     parts: list[int] = []
     batched = eagle_tree.eagle_rows_tree
-    params = SamplingParams(temperature=temperature)
-    target, _ = two_token_pair(2)  # 4 tokens: a random head's guesses are often right
-    gen = torch.Generator().manual_seed(3)
-    reqs = [RealRequest(i, f"p{i}", torch.randint(0, TWO_TOKEN_VOCAB, (2 + 3 * (i % 3),), generator=gen).tolist(),
-                        8 + 4 * (i % 3)) for i in range(6)]
+    monkeypatch.setattr(eagle_tree, "eagle_rows_tree", lambda p: parts.append(len(p)) or batched(p))
     exp = compose_exp("schedule=sync", "schedule.tree=true", "schedule.gamma=2", "schedule.tree_width=2",
                       "schedule.tree_budget=4", "workload.concurrency=3", f"sampling.temperature={temperature}")
-    head = EagleHead(target.args).init_random(2, std=0.5)
-    try:
-        alone = _alone(exp, target, EagleDraft(head, target, params, "eagle"), params, serve_sync_tree, reqs)
-        monkeypatch.setattr(eagle_tree, "eagle_rows_tree", lambda p: parts.append(len(p)) or batched(p))
-        ctx = _batched(exp, target, EagleDraft(head, target, params, "eagle"), params, reqs)
-    finally:
-        target.keep_hidden = False
-    assert _by_request(ctx) == alone
-    if temperature == 0:
-        assert alone == _alone(exp, target, None, params, serve_ar, reqs)
+    ctx = _eagle_alone_and_batched(exp, serve_sync_tree, seed=3)
     rounds, _, timeline = ctx.rec.frames()[:3]
     assert timeline["batch"].max() == 3 and (rounds.verified_tokens <= 4).all() and rounds.accepted.sum() > 0
     assert max(parts) == 3  # one head forward for the three requests' expansion
