@@ -177,8 +177,9 @@ class RunProbe:
 def role_probes(target: Any, draft: Any, params: Any) -> ProbeFns:
     """The run's forwards for ``RunProbe``: the target (a real.model.decoder.Transformer, maybe a
     shard) at one, ``FORWARD_PROBE_SMALL_K`` and ``PROBE_TOKENS`` tokens, and the draft when it
-    has a forward of its own (a real.model.drafts model or early-exit draft; not the n-gram lookup) at
-    one token. The KV slots written are overwritten by the first prefill."""
+    has a forward of its own (a real.model.drafts model, early-exit draft or eagle head; not the
+    n-gram lookup) at one token, and a draft model's or an eagle head's tree expansion of
+    ``PROBE_TOKENS`` rows. The KV slots written are overwritten by the first prefill."""
     fns: ProbeFns = {}
     if target is not None:
         fns.update(target_probes(target, params))
@@ -190,6 +191,8 @@ def role_probes(target: Any, draft: Any, params: Any) -> ProbeFns:
         fns["draft"] = lambda: draft.forward_probs([1], PROBE_CONTEXT)
     if model is not None:  # a draft model of its own: its tree expansions' size too
         fns["draft_k8"] = model_probe(model, params, tokens=PROBE_TOKENS, distributions=False)
+    elif getattr(draft, "head", None) is not None:  # an eagle head: its tree expansions' size too
+        fns["draft_k8"] = eagle_probe(draft, tokens=PROBE_TOKENS)
     if "draft" in fns:  # two steps back to back, after the draft's own forwards: warm steps
         step = fns["draft"]
         fns["draft_pair"] = lambda: (step(), step())
@@ -221,6 +224,19 @@ def model_probe(model: Any, params: Any, tokens: int = 1, distributions: bool = 
         return lambda: model(x, input_pos=PROBE_CONTEXT)
     runner = TargetRunner(model, params)
     return lambda: runner.probs(fed, PROBE_CONTEXT)
+
+
+def eagle_probe(draft: Any, tokens: int) -> Callable[[], Any]:
+    """An eagle head's forward over ``tokens`` pairs at ``PROBE_CONTEXT`` with every row's logits
+    (the target's LM head over all of them), as its tree expansions run and as the simulator
+    costs them (sim/cost/profile_tables.EagleTreeForward): compute bound from a few rows, where
+    its one-token probe is not; the features' values do not change its cost (zeros)."""
+    head, target = draft.head, draft.target
+    if head.body.max_seq < PROBE_CONTEXT + tokens + 1:
+        head.body.setup_cache(PROBE_CONTEXT + tokens + 1)
+    x = torch.ones(1, tokens, dtype=torch.long, device=target.device)
+    feats = torch.zeros(1, tokens, target.args.dim, dtype=target.dtype, device=target.device)
+    return lambda: target.head(head(target, x, feats, PROBE_CONTEXT))
 
 
 def _trimmed_mean(values: list[float]) -> float:

@@ -294,6 +294,7 @@ def test_async_rank_with_an_eagle_head_equals_its_ar_baseline_in_process(tiny_ea
     assert target.outputs == [r["output_ids"] for r in target.baseline.requests]
     assert all(len(o) == 20 for o in target.outputs)
     assert draft.extra["tree_depth_used"] >= 1 and draft.extra["probe_draft_s"] > 0
+    assert draft.extra["probe_draft_k8_s"] > 0  # and its tree expansion's size (every node's logits)
     assert target.extra["probe_target_s"] > 0
 
 
