@@ -5,6 +5,8 @@ directory (the bundled GGUF, which lives in an installed package, is real.model.
 
 from __future__ import annotations
 
+import hashlib
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +36,22 @@ def profile_path(exp: Any) -> Path:
     if exp.sim.profile_path:
         return repo_path(exp.sim.profile_path)
     return default_profile_path(exp.hardware.name)
+
+
+# the code a latency profile times: the kernels, the models' forwards and the speculative
+# algorithms run on their outputs (sampling, Algorithm 1, trees)
+TIMED_CODE = ("kernels", "real/model", "testbed/spec")
+
+
+@cache
+def timed_code_digest() -> str:
+    """A digest of the sources a latency profile's tables time (``TIMED_CODE``): a profile
+    measured with other code is stale (a faster draw once left Algorithm 1 at 7x its cost in the
+    profile, and predictions under load 20 % slow)."""
+    h = hashlib.sha256()
+    for folder in TIMED_CODE:
+        for f in sorted((ROOT / folder).rglob("*")):
+            if f.suffix in (".py", ".cpp") and f.is_file():
+                h.update(f.relative_to(ROOT).as_posix().encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()[:16]

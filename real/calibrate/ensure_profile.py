@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from testbed.compose import to_experiment
 from testbed.config import ExperimentConfig, real_dtype
-from testbed.paths import CONF_DIR, repo_path
+from testbed.paths import CONF_DIR, TIMED_CODE, repo_path, timed_code_digest
 from testbed.schedules import spec_of
 
 CALIBRATE_CMD = "python -m testbed backend=real +calibrate"
@@ -130,6 +130,9 @@ def profile_is_current(path: Path, exp: ExperimentConfig,
 
     if prof.get("schema") != SCHEMA:
         return False, f"profile schema {prof.get('schema')} != {SCHEMA}"
+    if prof.get("code") != timed_code_digest():  # kernels, models or the speculative algorithms changed
+        return False, (f"profile measured with other code of {', '.join(TIMED_CODE)} (digest "
+                       f"{prof.get('code')} != {timed_code_digest()} now): its tables time what changed")
     if prof.get("dtype") != real_dtype(exp):
         return False, f"profile dtype {prof.get('dtype')} != real.dtype={exp.real.dtype} ({real_dtype(exp)} here)"
     if exp.real.threads and prof.get("threads") != exp.real.threads:

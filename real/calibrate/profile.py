@@ -51,7 +51,7 @@ from real.calibrate.machine import load_average, machine_facts
 from real.model.runners import sync_device
 from testbed.config import ExperimentConfig, ModelConfig, real_dtype
 from testbed.paths import profile_path as testbed_profile_path
-from testbed.paths import repo_path
+from testbed.paths import repo_path, timed_code_digest
 
 SCHEMA = 2  # 2: per-model "tp" tables, "allreduce", links.gloo_round_trip (real/calibrate/tp.py)
 # real.threads=0 (torch's default): one intra-op thread, as a device is one core to the sweeps
@@ -331,6 +331,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, *, grid: Grid 
     profile = {
         "schema": SCHEMA, "kind": "testbed-latency-profile", "hardware": exp.hardware.name,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "code": timed_code_digest(),  # the sources it timed: other code makes it stale
         "machine": machine_facts(), "torch": torch.__version__, "threads": threads,
         "cores": len(os.sched_getaffinity(0)),  # the cores it could use: TP degrees up to this
         "dtype": real_dtype(exp), "device": exp.real.device, "statistic": "median",

@@ -71,7 +71,7 @@ from sim.cost.profile_tables import (
 from testbed.config import ConfigError, ExperimentConfig
 from testbed.links import LinkModel
 from testbed.machine import FORWARD_PROBE_CONTEXT
-from testbed.paths import profile_path
+from testbed.paths import TIMED_CODE, profile_path, timed_code_digest
 from testbed.placement import tp_degrees  # noqa: F401  (re-exported: the TP degree per role)
 from testbed.schedules import spec_of
 
@@ -83,6 +83,7 @@ class ProfileCost(CostModel):
 
         self.path = path or profile_path(exp)
         self.profile = profile if profile is not None else load_profile(self.path)
+        _warn_other_code(self.profile, self.path)
         self.temp = temperature_class(exp.sampling.temperature)
         params = SamplingParams(exp.sampling.temperature, top_k=exp.sampling.top_k, top_p=exp.sampling.top_p)
         self.sampling_mode = sampling_mode(params)
@@ -387,3 +388,21 @@ class ProfileCost(CostModel):
 @register("profile")
 def make_profile_cost(exp: ExperimentConfig) -> CostModel:
     return ProfileCost(exp)
+
+
+_warned: set[str] = set()
+
+
+def _warn_other_code(profile: dict[str, Any], path: Path) -> None:
+    """Once per profile: it was measured with other kernels, models or speculative algorithms than
+    this checkout's (testbed.paths.timed_code_digest), so its tables may time what changed."""
+    code = profile.get("code")
+    if code == timed_code_digest() or str(path) in _warned:
+        return
+    _warned.add(str(path))
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "profile %s was measured with other code of %s (digest %s, now %s): predictions use "
+        "its tables as measured; measure it again with `%s`", path, ", ".join(TIMED_CODE), code,
+        timed_code_digest(), CALIBRATE_CMD)

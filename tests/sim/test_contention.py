@@ -279,3 +279,32 @@ def test_a_profile_without_an_eagle_heads_tree_or_batched_table_is_measured_agai
     path.write_text(json.dumps(prof))
     current, why = profile_is_current(path, exp)
     assert not current and "smollm2_eagle" in why
+
+
+def test_a_profile_measured_with_other_kernels_or_algorithms_is_stale_and_warns_once(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The profile records a digest of the sources it times (kernels, models, testbed/spec): a
+    sweep re-measures one from other code, and a prediction from it says so once."""
+    import json
+    import logging
+
+    from real.calibrate.ensure_profile import profile_is_current
+    from real.calibrate.profile import SCHEMA
+    from sim.cost.profile import ProfileCost
+    from testbed.paths import timed_code_digest
+
+    exp = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "backend=real")
+    prof = profile_with_tp()
+    prof.update(schema=SCHEMA, dtype=real_dtype(exp), probe={
+        "gbps": 10.0, "forward_s": {name: 0.01 for name in prof["models"]}})
+    path = tmp_path / "local.json"
+    path.write_text(json.dumps(prof))
+    assert prof["code"] == timed_code_digest() and profile_is_current(path, exp) == (True, "current")
+    prof["code"] = "0" * 16
+    path.write_text(json.dumps(prof))
+    current, why = profile_is_current(path, exp)
+    assert not current and "other code" in why and "kernels" in why
+    sim_exp = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "sim.cost_model=profile")
+    with caplog.at_level(logging.WARNING, logger="sim.cost.profile"):
+        for _ in range(2):
+            ProfileCost(sim_exp, profile=prof, path=path)
+    assert sum("other code" in r.getMessage() for r in caplog.records) == 1

@@ -11,6 +11,7 @@ from sim.cost.profile import ProfileCost
 from sim.cost.profile_tables import CALIBRATE_CMD, SCHEMA, interp1
 from testbed.config import ConfigError
 from testbed.config_validate import validate
+from testbed.paths import timed_code_digest
 from tests.conftest import compose_exp, run_cli
 
 K = [1, 2, 4, 8]
@@ -25,7 +26,7 @@ def make_profile() -> dict:
         return {"k": ks, "context": CTX, "seconds": rows}
 
     return {
-        "schema": SCHEMA, "hardware": "local", "threads": 2, "dtype": "fp32",
+        "schema": SCHEMA, "hardware": "local", "threads": 2, "dtype": "fp32", "code": timed_code_digest(),
         "models": {
             "smollm2_135m": {"kind": "transformer", "layers": 30,
                              "forward": {"greedy": fwd(TARGET, K),
