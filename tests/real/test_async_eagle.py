@@ -340,7 +340,7 @@ def test_async_with_an_eagle_head_on_two_processes_equals_ar_at_temperature_0(ti
 
 
 @two_cores
-@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("tree", [False, pytest.param(True, marks=pytest.mark.slow)])  # (a TP tree: test_real_multiprocess)
 def test_an_eagle_head_beside_a_tensor_parallel_target_under_load_equals_ar(tiny_eagle, tree: bool) -> None:  # type: ignore[no-untyped-def]
     """The sync chain or the serial tree under load with the target over a TP 2 group: each rank
     runs the whole head (not sharded) on the all-reduced features; every answer is
