@@ -199,18 +199,25 @@ def test_async_charges_the_draft_its_select_and_reroot_every_round(tmp_path: Pat
     assert decode["bookkeeping"] > decode["bare"] + 0.006 * (rounds - 1)
 
 
+def _current_profile(exp) -> dict:  # type: ignore[no-untyped-def]
+    """A fabricated profile with every table the pre-run check asks of ``exp``'s pair."""
+    from real.calibrate.profile import SCHEMA
+
+    prof = profile_with_tp()
+    prof.update(schema=SCHEMA, dtype=real_dtype(exp), probe={
+        "gbps": 10.0, "forward_s": {name: 0.01 for name in prof["models"]}})
+    return prof
+
+
 def test_a_profile_without_the_async_bookkeeping_table_is_measured_again(tmp_path: Path) -> None:
     """A profile from before the table (a tree-expansion table, no "tree_rounds") would have
     async predictions charge no select or re-root: the sweep's EnsureProfile re-measures it."""
     import json
 
     from real.calibrate.ensure_profile import profile_is_current
-    from real.calibrate.profile import SCHEMA
 
     exp = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "backend=real")
-    prof = profile_with_tp()
-    prof.update(schema=SCHEMA, dtype=real_dtype(exp), probe={
-        "gbps": 10.0, "forward_s": {name: 0.01 for name in prof["models"]}})
+    prof = _current_profile(exp)
     prof["models"]["smollm2_draft"]["tree_expand"] = {"greedy": {"leaves": [1, 16], "seconds": [0.001, 0.002]}}
     path = tmp_path / "local.json"
     path.write_text(json.dumps(prof))
@@ -266,12 +273,9 @@ def test_a_profile_without_an_eagle_heads_tree_or_batched_table_is_measured_agai
     import json
 
     from real.calibrate.ensure_profile import profile_is_current
-    from real.calibrate.profile import SCHEMA
 
     exp = compose_exp("pair=smollm2_135m+smollm2_eagle", "hardware=local", "backend=real")
-    prof = profile_with_tp()
-    prof.update(schema=SCHEMA, dtype=real_dtype(exp), probe={
-        "gbps": 10.0, "forward_s": {name: 0.01 for name in prof["models"]}})
+    prof = _current_profile(exp)
     path = tmp_path / "local.json"
     path.write_text(json.dumps(prof))
     assert profile_is_current(path, exp) == (True, "current")
@@ -288,14 +292,11 @@ def test_a_profile_measured_with_other_kernels_or_algorithms_is_stale_and_warns_
     import logging
 
     from real.calibrate.ensure_profile import profile_is_current
-    from real.calibrate.profile import SCHEMA
     from sim.cost.profile import ProfileCost
     from testbed.paths import timed_code_digest
 
     exp = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "backend=real")
-    prof = profile_with_tp()
-    prof.update(schema=SCHEMA, dtype=real_dtype(exp), probe={
-        "gbps": 10.0, "forward_s": {name: 0.01 for name in prof["models"]}})
+    prof = _current_profile(exp)
     path = tmp_path / "local.json"
     path.write_text(json.dumps(prof))
     assert prof["code"] == timed_code_digest() and profile_is_current(path, exp) == (True, "current")
