@@ -253,26 +253,20 @@ class RowEagleDraft(EagleDraft):
         return eagle_rows_logits([(self, tokens, start)])[0]
 
 
-@torch.inference_mode()
 def eagle_rows_logits(steps: list[tuple[RowEagleDraft, list[int], int]]) -> list[Tensor]:
-    """One head forward for several requests at once, each ``(draft, tokens, first slot)`` on its
-    own row: the fc over every pair, the head's layer over the rows of all (attention per row,
-    slot 0 never attended, as ``EagleHead.forward``), and the LM head over each request's last
-    prediction (one read of its weights for the batch). The fp32 logits ``[V]`` of each."""
-    head, target = steps[0][0].head, steps[0][0].target
-    dev = target.device
-    tokens = torch.tensor([[t for _, toks, _ in steps for t in toks]], device=dev)
-    feats = torch.cat([d.pair_features(toks, s) for d, toks, s in steps])[None]
-    feeds = []
+    """One head forward for several requests' chain steps at once, each ``(draft, tokens, first
+    slot)`` on its own row, causal (slot 0 never attended, as ``EagleHead.forward``):
+    ``eagle_rows_tree`` with each request's last prediction as its one leaf. The fp32 logits
+    ``[V]`` of each; each draft keeps its last predicted feature."""
+    parts = []
     for d, toks, s in steps:
         cols, rows = torch.arange(s + len(toks)), torch.arange(s, s + len(toks))
-        feeds.append(Feed(d.row, toks, s, mask=(cols[None, :] <= rows[:, None]) & (cols[None, :] >= 1)))
-    h = layers_rows(head.body, head.inputs(target, tokens, feats), feeds, lo=0, hi=1)
-    ends = torch.tensor([len(t) for _, t, _ in steps]).cumsum(0) - 1
-    last = h[0, ends.to(dev)]  # [n, dim]
-    for (d, toks, s), f in zip(steps, last):
-        d._last, d._last_index = f, s + len(toks) - 1
-    return list(target.head(last[None])[0])
+        causal = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= 1)
+        parts.append((d.head, d.target, Feed(d.row, toks, s, mask=causal), d.pair_features(toks, s), 1))
+    out = eagle_rows_tree(parts)
+    for (d, toks, s), (f, _) in zip(steps, out):
+        d._last, d._last_index = f[0], s + len(toks) - 1
+    return [logits[0] for _, logits in out]
 
 
 @torch.inference_mode()
