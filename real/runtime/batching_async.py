@@ -54,7 +54,11 @@ from real.runtime.batching import WallClockArrivals, batch_rows
 from real.runtime.context import RealRequest, finish
 from real.runtime.links import Kind, Message
 from real.runtime.rendezvous import Rendezvous, RowModel
-from real.schedules.async_tree import DRAFT_SALT, TARGET_SALT  # the same streams as one at a time
+from real.schedules.async_tree import (  # the same streams and messages as one at a time
+    DRAFT_SALT,
+    TARGET_SALT,
+    target_prompt_features,
+)
 from testbed.admission import Admission, count_round
 from testbed.recorder import RequestRecord
 from testbed.spec.tree_drafter import AsyncDepth, TreeDrafter
@@ -258,7 +262,7 @@ def _serve_target(side: Any, exp: Any, requests: list[RealRequest], eos: frozens
             s0 = now()
             rows.prefill(t.row, t.ids[:-1])
             if side.reply_features:  # the eagle head starts from them
-                side.peer.send(prompt_message(rid, len(t.ids), side.model.last_hidden[0, :len(t.ids) - 1]))
+                side.peer.send(prompt_message(rid, len(t.ids), target_prompt_features(side.model, len(t.ids) - 1)))
             t.start_s = t.t_prev = now()
             t.prefill_s = t.start_s - s0
             rec.span("target", "prefill", s0, t.start_s, request_id=rid)

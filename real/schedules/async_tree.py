@@ -256,7 +256,7 @@ def target_worker(side: Side, req: RealRequest, eos: frozenset[int],
     t0 = now()
     prefill(model, ids[:-1])
     if side.reply_features:
-        side.peer.send(prompt_message(rid, len(ids), _prompt_features(model, len(ids) - 1)))
+        side.peer.send(prompt_message(rid, len(ids), target_prompt_features(model, len(ids) - 1)))
     rec.span("target", "prefill", t0, now(), request_id=rid)
     features_of = (lambda rows: model.last_hidden[0, rows]) if side.reply_features else None
     verifier = TargetTreeTokens(side.fwd, side.params, side.generator(rid, TARGET_SALT),
@@ -299,7 +299,7 @@ def target_worker(side: Side, req: RealRequest, eos: frozenset[int],
     return out
 
 
-def _prompt_features(model: Any, n: int) -> torch.Tensor:
+def target_prompt_features(model: Any, n: int) -> torch.Tensor:
     """The target's last hidden states of the ``n`` tokens its prefill fed (none for a one-token
     prompt, which the eagle head refuses with its own message)."""
     if n == 0:
