@@ -46,8 +46,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from real.calibrate.fit import isotonic
+from real.model.eagle_tree import EagleTreeTokens
 from testbed.config import real_dtype
 from testbed.spec.sampling import SamplingParams
 
@@ -71,6 +73,28 @@ class TimedForward:
 
     def move_kv(self, src: Sequence[int], dst: Sequence[int]) -> None:
         self.model.move_kv(src, dst)
+
+
+class TimedEagleTreeTokens(EagleTreeTokens):
+    """An eagle head's tree source (real/model/eagle_tree.py) that adds the time of its head
+    forwards to ``spent``, so that an expansion can be timed beyond its forward."""
+
+    spent = 0.0
+
+    @classmethod
+    def started(cls, draft: Any, params: SamplingParams, history: list[int], *, cache_slots: int,
+                generator: torch.Generator | None = None) -> TimedEagleTreeTokens:
+        """A source over ``history`` whose features are placeholders (zeros)."""
+        draft.start(history, features=torch.zeros(len(history) - 1, draft.target.args.dim,
+                                                   dtype=draft.target.dtype, device=draft.target.device))
+        return cls(draft, params, history, cache_slots=cache_slots, generator=generator)
+
+    def _head_forward(self, tokens: list[int], feats: Tensor, input_pos: Tensor, mask: Tensor,
+                      position_ids: Tensor, leaves: int) -> tuple[Tensor, Tensor]:
+        t = time.perf_counter()
+        out = super()._head_forward(tokens, feats, input_pos, mask, position_ids, leaves)
+        self.spent += time.perf_counter() - t
+        return out
 
 
 def time_expansions(model: Any, vocab: int, params: SamplingParams, *, leaves: Sequence[int] = LEAVES,
@@ -287,7 +311,6 @@ def add_eagle_tree_tables(models: dict[str, Any], drafts: list[Any], make: Any, 
     The head's tree-shaped forward itself (every node's logits) the simulator reads from the
     head's batched table (sim/cost/profile_tables.EagleTreeForward)."""
     from real.calibrate.drafts import TEMPERATURES
-    from real.model.eagle_tree import TimedEagleTreeTokens
 
     for d in drafts:
         if d.kind != "eagle" or d.name not in models:

@@ -12,7 +12,6 @@ The head's slot 0 never holds a pair (no feature precedes the first token): it i
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -121,28 +120,6 @@ class EagleTreeTokens(DraftSource):
         what does not depend on their values)."""
         return torch.zeros(n, self.draft.features.shape[1], dtype=self.draft.features.dtype,
                            device=self.draft.features.device)
-
-
-class TimedEagleTreeTokens(EagleTreeTokens):
-    """An eagle head's tree source that adds the time of its head forwards to ``spent``, so that
-    calibration (real/calibrate/tree.py) can time an expansion beyond its forward."""
-
-    spent = 0.0
-
-    @classmethod
-    def started(cls, draft: EagleDraft, params: SamplingParams, history: list[int], *, cache_slots: int,
-                generator: torch.Generator | None = None) -> TimedEagleTreeTokens:
-        """A source over ``history`` whose features are placeholders (zeros)."""
-        draft.start(history, features=torch.zeros(len(history) - 1, draft.target.args.dim,
-                                                   dtype=draft.target.dtype, device=draft.target.device))
-        return cls(draft, params, history, cache_slots=cache_slots, generator=generator)
-
-    def _head_forward(self, tokens: list[int], feats: Tensor, input_pos: Tensor, mask: Tensor,
-                      position_ids: Tensor, leaves: int) -> tuple[Tensor, Tensor]:
-        t = time.perf_counter()
-        out = super()._head_forward(tokens, feats, input_pos, mask, position_ids, leaves)
-        self.spent += time.perf_counter() - t
-        return out
 
 
 class RowEagleTreeTokens(EagleTreeTokens):
