@@ -53,6 +53,16 @@ RUNS = [  # most telling first: the budget skips from the end
 TINY_RUNS = ("sync g4", "serial tree", "sync g4 under load", "decentralized N=2", "lookahead heuristic")
 
 
+def workload_overrides(a: argparse.Namespace) -> list[str]:
+    """The prompts every run serves (and the simulator's predictions of them)."""
+    return ["workload=humaneval", f"workload.num_prompts={a.prompts}", f"workload.max_new_tokens={a.tokens}",
+            "real.ignore_eos=true", "real.progress=false", "report.per_run=false"]
+
+
+def run_dir_name(label: str) -> str:
+    return label.replace(" ", "_").replace("=", "")
+
+
 def machine(device: torch.device) -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
@@ -128,7 +138,7 @@ class Check:
         if self.left_s() < est_s:
             self.skipped.append(f"{label}: {self.left_s():.0f} s of the budget left, needs ~{est_s:.0f} s")
             return
-        run_dir = self.work / "runs" / label.replace(" ", "_").replace("=", "")
+        run_dir = self.work / "runs" / run_dir_name(label)
         t = time.monotonic()
         row: dict = {"run": label}
         try:
@@ -166,8 +176,8 @@ class Check:
             common += ["placement.target_gpus=1", "placement.draft_gpus=1"]
         for model, extra in (("roofline", ["sim.cost_model=roofline"]),
                              ("profile", ["sim.cost_model=profile", f"sim.profile_path={self.profile}"])):
-            if model == "profile" and not self.profile:
-                continue
+            if model == "profile" and (not self.profile or "real.cuda_graphs=false" in overrides):
+                continue  # (the profile times graph replays: an eager run is another machine)
             try:
                 sim = self.cli([*common, *extra], run_dir.parent / f"{run_dir.name}_sim_{model}", timeout_s=120)
                 pred = sim.get("tokens_per_s")
@@ -195,9 +205,7 @@ class Check:
         self.profile = ""
         if target is not None and draft is not None:
             self.base_pair = self.pair_overrides(target, draft, tshape, dshape)
-            self.base_workload = ["workload=humaneval", f"workload.num_prompts={a.prompts}",
-                                  f"workload.max_new_tokens={a.tokens}", "real.ignore_eos=true",
-                                  "real.progress=false", "report.per_run=false"]
+            self.base_workload = workload_overrides(a)
             # fp32: a GPU's bf16 GEMMs round differently for 1 and k rows (cuBLAS picks kernels by
             # shape), so greedy bf16 outputs can part at near-ties; the k-token table is bf16
             base = ["backend=real", f"real.device={a.device}", "real.dtype=fp32", *self.base_pair,
@@ -265,6 +273,7 @@ class Check:
 
     def summary(self, info: dict, peaks: dict, forwards: list[dict]) -> dict:
         return {"machine": info, "peaks": peaks, "device_tests": getattr(self, "device_tests_result", None), "hardware_preset": self.preset, "tiny": self.args.tiny,
+                "prompts": self.args.prompts, "tokens": self.args.tokens,
                 "forwards": forwards, "runs": self.runs, "steps": self.steps, "skipped": self.skipped,
                 "all_equal_ar": all(r.get("equal_ar") for r in self.runs if r["run"] != "ar")
                 and bool(self.runs) and all("error" not in r for r in self.runs),
@@ -283,6 +292,10 @@ def _round_times(run_dir: Path) -> dict:
                 "target_ms": round(1e3 * float(r.target_s.mean()), 3)}
     except Exception:  # noqa: BLE001 - a schedule without per-round times
         return {}
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _round_cell(r: dict) -> str:
@@ -320,8 +333,8 @@ def markdown(s: dict) -> str:
             return "-" if v is None else f"{v:.1f} ({r.get(f'sim_{kind}_error_pct')})"
         err = r.get("error") or r.get("sim_roofline_error") or r.get("sim_profile_error") or ""
         tps = r.get("tokens_per_s")
-        lines.append(f"| {r['run']} | {'-' if tps is None else f'{tps:.1f}'} | {r.get('speedup') or '-'} | "
-                     f"{r.get('alpha') if r.get('alpha') is not None else '-'} | {r.get('equal_ar', '-')} | "
+        lines.append(f"| {r['run']} | {'-' if tps is None else f'{tps:.1f}'} | {_num(r.get('speedup'))} | "
+                     f"{_num(r.get('alpha'))} | {r.get('equal_ar', '-')} | "
                      f"{r.get('gpu_telemetry', '-')} | {_round_cell(r)} | {pred('roofline')} | {pred('profile')} | {err[:160]} |")
     lines += ["", "## Steps", ""] + [f"- {x['step']}: {'ok' if x['ok'] else 'FAILED ' + x.get('error', '')} ({x['s']} s)"
                                      for x in s["steps"]]

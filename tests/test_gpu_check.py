@@ -121,7 +121,22 @@ def _dry_run(tmp_path: Path, runs: tuple[str, ...]) -> dict:
 
 
 def test_dry_run_end_to_end(tmp_path: Path) -> None:
-    _dry_run(tmp_path, QUICK_RUNS)
+    s = _dry_run(tmp_path, QUICK_RUNS)
+    # its predictions made again from the output folder alone (the GPU gone): the same numbers
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check_predict.py"), str(tmp_path / "out"),
+                           "--out", str(tmp_path / "again")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    again = {r["run"]: r for r in json.loads((tmp_path / "again" / "gpu_check_predicted.json").read_text())["runs"]}
+    first = {r["run"]: r for r in s["runs"]}
+    assert again["sync g4"]["sim_roofline_tokens_per_s"] == first["sync g4"]["sim_roofline_tokens_per_s"]
+    assert "sim_roofline_tokens_per_s" not in again["ar"]
+
+
+def test_predictions_again_need_a_check_s_folder(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check_predict.py"), str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout.strip().count("\n") == 0 and "gpu_check.json" in proc.stdout
 
 
 @pytest.mark.slow

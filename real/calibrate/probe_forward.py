@@ -88,9 +88,8 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
     """Median seconds of the probe forward per transformer model of ``exp``'s pair, measured
     now with ``real.threads`` intra-op threads (the profile's setting) — or reused from a
     reading less than ``REUSE_S`` seconds old."""
-    from real.model.cuda_graphs import GraphedForwards
     from real.model.weights import load_model
-    from real.runtime.loading import DTYPES, model_device
+    from real.runtime.loading import DTYPES, attach_graphs, model_device
     from testbed.paths import repo_path
 
     t, d = exp.pair.target, exp.pair.draft
@@ -106,8 +105,7 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
             target, tokenizer = load_model(None if t.path is None else repo_path(t.path),
                                            dtype=DTYPES[real_dtype(exp)], device=model_device(exp),
                                            max_seq=PROBE_CONTEXT + 2)
-            target.graph_forwards = (GraphedForwards(target) if exp.real.cuda_graphs
-                                     and target.device.type == "cuda" else None)
+            attach_graphs(target, exp.real.cuda_graphs)
             _models.clear()  # one pair's models at a time
             drafts = [d] if spec_of(exp).drafts else []
             _models[key] = probe_functions(exp, target, tokenizer, drafts)

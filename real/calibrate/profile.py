@@ -238,9 +238,8 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, *, grid: Grid 
     from testbed.spec.sampling import SamplingParams
 
     grid = grid or Grid()
-    from real.model.cuda_graphs import GraphedForwards
     from real.runtime.loading import DTYPES as dtypes
-    from real.runtime.loading import model_device
+    from real.runtime.loading import attach_graphs, model_device
     started = time.perf_counter()
     load_before = load_average()
     probe_before = probe_record()  # the machine's speed now (sim.profile_drift=probe)
@@ -253,8 +252,7 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, *, grid: Grid 
                                            dtype=dtypes[real_dtype(exp)], device=model_device(exp),
                                            max_seq=64)
             # the forwards the runs use: CUDA-graph replays where real.cuda_graphs is on
-            target.graph_forwards = (GraphedForwards(target) if exp.real.cuda_graphs
-                                     and target.device.type == "cuda" else None)
+            attach_graphs(target, exp.real.cuda_graphs)
             log(f"calibrating {t.name} on {exp.hardware.name}: {torch.get_num_threads()} threads, {real_dtype(exp)}")
             pr = Probes()
             builders = {t.name: add_target_probes(pr, target, grid)}

@@ -311,8 +311,11 @@ def _sync_round(ctx: RealContext, running: list[Active], r: int, draft_model: An
             w.take(lg[-1])
     proposals = [w.result() if w is not None else p for w, p in zip(windows, proposals)]
     m = ctx.now()
-    logits, hidden = forward_batch_features(ctx.target.model, [Feed(a.row, [a.ids[-1], *g], len(a.ids) - 1)
-                                                               for a, (g, _) in zip(running, proposals)])
+    feeds = [Feed(a.row, [a.ids[-1], *g], len(a.ids) - 1) for a, (g, _) in zip(running, proposals)]
+    if any(isinstance(a.draft, EagleDraft) for a in running):  # the head reads the target's features
+        logits, hidden = forward_batch_features(ctx.target.model, feeds)
+    else:  # logits only: on a GPU this replays the batched CUDA graphs (features would run eagerly)
+        logits, hidden = forward_batch(ctx.target.model, feeds), [None] * len(running)
     steps = [speculative_step(standardize(lg, ctx.params), q, draft_tokens=torch.tensor(g, dtype=torch.long),
                               generator=a.gen) for a, (g, q), lg in zip(running, proposals, logits)]
     e = ctx.now()
@@ -323,6 +326,7 @@ def _sync_round(ctx: RealContext, running: list[Active], r: int, draft_model: An
         n, k = st.accepted, len(g)
         a.ids.extend(st.tokens)
         if isinstance(a.draft, EagleDraft):  # the target's features of the old root and accepted guesses
+            assert feats is not None
             a.draft.commit(a.ids, n, k, features=feats[:n + 1])
         else:
             a.draft.commit(a.ids, n, k)

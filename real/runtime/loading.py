@@ -51,11 +51,17 @@ def load(path: str | None, what: str, *, model_name: str, dtype: str,
     key = (str(resolved), dtype, str(device))
     if key not in _MODELS:
         _MODELS[key] = load_model(resolved, dtype=DTYPES[dtype], device=device, max_seq=64)
-    model = _MODELS[key][0]
-    # chain forwards replayed from CUDA graphs (real.model.cuda_graphs): set per run, the model is shared
-    model.graph_forwards = GraphedForwards(model) if cuda_graphs and torch.device(device).type == "cuda" else None
-    model.graph_batches = GraphedBatches(model) if model.graph_forwards is not None else None
+    attach_graphs(_MODELS[key][0], cuda_graphs)  # set per run: the model is shared
     return _MODELS[key]
+
+
+def attach_graphs(model: Transformer, cuda_graphs: bool) -> None:
+    """Let ``model``'s forwards replay CUDA graphs where ``cuda_graphs`` is on and it lives on a
+    GPU: one request's chains and trees (real.model.cuda_graphs) and batched chains
+    (real.model.batch_graphs). Runs and calibration alike, so that the profile times what the
+    runs replay."""
+    model.graph_forwards = GraphedForwards(model) if cuda_graphs and model.device.type == "cuda" else None
+    model.graph_batches = GraphedBatches(model) if model.graph_forwards is not None else None
 
 
 def prepare_graphs(exp: ExperimentConfig, *models: Transformer | None) -> None:
