@@ -108,6 +108,9 @@ class ModelConfig:
     exit_layer: int = 0  # early_exit: number of target layers the draft runs
     ngram: int = 3  # ngram: longest n-gram matched in the context (prompt lookup)
     mlp: str = "swiglu"  # swiglu (gate, up, down) | gelu (fc, proj)
+    # eagle: the tokens its proposals may take, the rows of the target's LM head it computes
+    # (real/train/draft_vocab.py); 0 = the whole vocabulary
+    draft_vocab: int = 0
 
     @property
     def layer_params(self) -> int:

@@ -63,6 +63,11 @@ def _validate_model(prefix: str, m: ModelConfig, backend: str) -> None:
                               f"a divisor of {prefix}.heads={m.heads}")
     if m.kind == "ngram":
         _int_range(f"{prefix}.ngram", m.ngram, 1, 16)
+    if m.kind == "eagle":
+        _int_range(f"{prefix}.draft_vocab", m.draft_vocab, 0, m.vocab)
+    elif m.draft_vocab:  # only an eagle head borrows an LM head it could restrict
+        raise ConfigError(f"{prefix}.draft_vocab", m.draft_vocab, f"0: a draft vocabulary is an eagle head's "
+                          f"({prefix}.kind={m.kind})")
 
 
 def _validate_eagle(exp: ExperimentConfig) -> None:

@@ -96,7 +96,9 @@ def contention_worker(ctx: Any, models: dict[str, str | None], grid_d: dict[str,
 
 def _load_all(models: dict[str, str | None], dtype: torch.dtype, max_seq: int) -> dict[str, Any]:
     """Each model by name; an eagle head's directory as (head, target): it reads the target's
-    embedding and LM head (the target, first in ``models``, is loaded before it)."""
+    embedding and LM head (the target, first in ``models``, is loaded before it), with its
+    folder's draft vocabulary if it has one (the bundled preset's setting: a run that sets
+    ``pair.draft.draft_vocab=0`` is timed here with the folder's; these tables are ratios)."""
     from real.calibrate.tp import _load
     from real.model.eagle import is_eagle_dir, load_head
     from testbed.paths import repo_path
@@ -131,7 +133,7 @@ def _tree_fn(model: Any, *, k: int, context: int, gen: torch.Generator) -> Calla
 
     def forward() -> Any:
         h = head.body.forward_layers(head.inputs(target, x, feats), pos, mask, position_ids=context + depths)
-        return target.head(h)
+        return head.logits(target, h)
     return forward
 
 

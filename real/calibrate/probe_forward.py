@@ -234,7 +234,7 @@ def eagle_probe(draft: Any, tokens: int) -> Callable[[], Any]:
         head.body.setup_cache(PROBE_CONTEXT + tokens + 1)
     x = torch.ones(1, tokens, dtype=torch.long, device=target.device)
     feats = torch.zeros(1, tokens, target.args.dim, dtype=target.dtype, device=target.device)
-    return lambda: target.head(head(target, x, feats, PROBE_CONTEXT))
+    return lambda: head.logits(target, head(target, x, feats, PROBE_CONTEXT))
 
 
 def _trimmed_mean(values: list[float]) -> float:

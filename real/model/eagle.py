@@ -5,7 +5,8 @@ from the current one and the next token. Pair position j holds (f_{j-1}, x_j):
 
     u_j   = fc([embed(x_j), norm(f_{j-1})])      (fc: 2·dim -> dim, with bias)
     f̂_j   = one decoder layer over u_0..u_j       (the target's width and heads; its own KV cache)
-    q_j   = softmax(target.head(f̂_j))            (the target's final norm and LM head, frozen)
+    q_j   = softmax(target.head(f̂_j))            (the target's final norm and LM head, frozen;
+                                                  with a draft vocabulary, only its rows)
 
 so q_j is the draft's distribution of x_{j+1}. Drafting γ tokens runs the layer on its own
 outputs: after the real features f_{..n-2} (the target has processed every committed token but
@@ -39,7 +40,7 @@ from real.model.drafts import _ForwardDraft
 from real.model.runners import TargetRunner
 from testbed.spec.sampling import SamplingParams, standardize
 
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "draft_vocab.safetensors"
 ARCHITECTURE = "specbed-eagle"
 
 
@@ -64,6 +65,44 @@ class EagleHead(nn.Module):
         self.fc_bias = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device), requires_grad=False)
         self.feature_norm = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
         self.body = Transformer(self.args, dtype, device)  # layers.0 + RoPE + KV cache
+        # the tokens the head may propose (sorted ids; None: every token): its LM head computes
+        # only their rows of the target's, as EAGLE-3 and FR-Spec restrict the draft's vocabulary
+        self.draft_vocab: Tensor | None = None
+        # (the target LM head's data_ptr, its rows, the ids on its device)
+        self._vocab_rows: tuple[int, Tensor, Tensor] | None = None
+
+    def logits(self, target: Transformer, features: Tensor) -> Tensor:
+        """The draft's fp32 logits ``[B, T, V]`` of predicted features ``[B, T, dim]``: the
+        target's final norm and LM head, over the draft vocabulary's rows only where it has one
+        (-inf elsewhere, so those tokens are never proposed and q is 0 there: the verification
+        stays exact). A tensor-parallel target's sharded LM head serves whole."""
+        if self.draft_vocab is None or target.tp_vocab is not None:
+            return target.head(features)
+        rows, ids = self._rows(target)
+        sub = kernels.linear(kernels.rms_norm(features, target.norm, target.args.norm_eps), rows).float()
+        out = sub.new_full((*sub.shape[:-1], target.args.vocab_size), float("-inf"))
+        out.index_copy_(-1, ids, sub)
+        return target._to_host(out)
+
+    def _rows(self, target: Transformer) -> tuple[Tensor, Tensor]:
+        """The draft vocabulary's rows of the target's LM head, one contiguous copy per target
+        (the native kernels pack a weight once per tensor)."""
+        key = target.output.data_ptr()
+        if self._vocab_rows is None or self._vocab_rows[0] != key:
+            assert self.draft_vocab is not None
+            ids = self.draft_vocab.to(target.output.device)
+            self._vocab_rows = (key, target.output.detach().index_select(0, ids).contiguous(), ids)
+        return self._vocab_rows[1], self._vocab_rows[2]
+
+    def set_draft_vocab(self, ids: Tensor | None, vocab_size: int) -> None:
+        """Restrict the proposals to ``ids`` (any order, each once, < ``vocab_size``), or lift it."""
+        if ids is None:
+            self.draft_vocab, self._vocab_rows = None, None
+            return
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size or ids.unique().numel() != ids.numel():
+            raise ValueError(f"a draft vocabulary needs distinct token ids in [0, {vocab_size})")
+        self.draft_vocab, self._vocab_rows = ids.sort().values, None
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> EagleHead:
         gen = torch.Generator().manual_seed(seed)
@@ -103,11 +142,15 @@ def save_head(head: EagleHead, out: Path, *, target_name: str, extra: dict | Non
         "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "norm_eps", "rope_theta")}, **(extra or {})}
     tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in head.state().items()}
     save_file(tensors, str(out / WEIGHTS_FILE))
+    save_draft_vocab(head, out)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
 
 
-def load_head(path: Path, target: Transformer) -> EagleHead:
-    """The head at ``path`` for ``target`` (its dtype and device); one line if it does not fit."""
+def load_head(path: Path, target: Transformer, *, draft_vocab: int | None = None) -> EagleHead:
+    """The head at ``path`` for ``target`` (its dtype and device); one line if it does not fit.
+    ``draft_vocab``: None takes the folder's draft vocabulary if it has one; 0 drafts from every
+    token; N requires the folder's to hold N tokens (``pair.draft.draft_vocab``, which the
+    simulator prices)."""
     try:
         config = json.loads((path / CONFIG_FILE).read_text())
         tensors = load_file(str(path / WEIGHTS_FILE))
@@ -129,7 +172,30 @@ def load_head(path: Path, target: Transformer) -> EagleHead:
             raise RealSetupError(f"pair.draft.path={path}: tensor {k} {tuple(v.shape)} does not fit "
                                  "this head; retrain with python -m real.train.draft kind=eagle")
         own[k].data.copy_(v)
+    vocab_file = path / VOCAB_FILE
+    if draft_vocab and not vocab_file.is_file():
+        raise RealSetupError(f"pair.draft.draft_vocab={draft_vocab} but {path} has no {VOCAB_FILE}: make it with "
+                             f"python -m real.train.draft_vocab --head {path} --size {draft_vocab}, or set "
+                             "pair.draft.draft_vocab=0 to draft from every token")
+    if vocab_file.is_file() and draft_vocab != 0:
+        try:
+            ids = load_file(str(vocab_file))["draft_vocab"]
+            head.set_draft_vocab(ids, t.vocab_size)
+        except (OSError, KeyError, ValueError, SafetensorError) as exc:
+            raise RealSetupError(f"pair.draft.path={path}: {VOCAB_FILE} is not a draft vocabulary of this "
+                                 f"target ({exc}); make it again with python -m real.train.draft_vocab, or "
+                                 "remove it to draft from every token") from exc
+        size = 0 if head.draft_vocab is None else head.draft_vocab.numel()
+        if draft_vocab is not None and size != draft_vocab:
+            raise RealSetupError(f"pair.draft.draft_vocab={draft_vocab} but {path / VOCAB_FILE} holds {size} "
+                                 f"tokens: set pair.draft.draft_vocab={size}, or 0 to draft from every token")
     return head
+
+
+def save_draft_vocab(head: EagleHead, out: Path) -> None:
+    """``out/draft_vocab.safetensors`` (the ids, int32) where the head has a draft vocabulary."""
+    if head.draft_vocab is not None:
+        save_file({"draft_vocab": head.draft_vocab.to(torch.int32).contiguous()}, str(out / VOCAB_FILE))
 
 
 class EagleDraft(_ForwardDraft):
@@ -177,7 +243,7 @@ class EagleDraft(_ForwardDraft):
         x = torch.tensor([tokens], device=self.target.device)
         feats = torch.zeros(1, len(tokens), self.target.args.dim, dtype=self.target.dtype, device=self.target.device)
         f = self.head(self.target, x, feats, start)
-        return standardize(self.target.head(f[:, -1:])[0, -1], self.params)
+        return standardize(self.head.logits(self.target, f[:, -1:])[0, -1], self.params)
 
     @torch.inference_mode()
     def start(self, prompt_ids: list[int], *, features: Tensor | None = None) -> None:
@@ -225,7 +291,7 @@ class EagleDraft(_ForwardDraft):
         x = torch.tensor([tokens], device=self.target.device)
         f = self.head(self.target, x, self.pair_features(tokens, start)[None], start)
         self._last, self._last_index = f[0, -1], start + n - 1
-        return self.target.head(f[:, -1:])[0, -1]
+        return self.head.logits(self.target, f[:, -1:])[0, -1]
 
 
 class RowEagleDraft(EagleDraft):
@@ -283,7 +349,7 @@ def eagle_rows_tree(parts: list[tuple[EagleHead, Transformer, Feed, Tensor, int]
     h = layers_rows(head.body, head.inputs(target, tokens, feats), [f for _, _, f, _, _ in parts], lo=0, hi=1)[0]
     ends = torch.tensor([len(f.tokens) for _, _, f, _, _ in parts]).cumsum(0).tolist()
     leaves = [h[end - n: end] for (_, _, _, _, n), end in zip(parts, ends)]
-    logits = target.head(torch.cat(leaves)[None])[0].float()
+    logits = head.logits(target, torch.cat(leaves)[None])[0]
     return list(zip(leaves, logits.split([n for *_, n in parts])))
 
 
@@ -304,7 +370,7 @@ def forced_logits(head: EagleHead, target: Transformer, tokens: list[int], start
     x = torch.tensor([tokens])
     feats = target.forward_layers(target.embed(x), 0)
     pred = head(target, x[:, 1:], feats[:, :-1], cache=False)  # f̂_1 .. f̂_{L-1}
-    return target.head(pred[:, start - 2: len(tokens) - 2])[0]
+    return head.logits(target, pred[:, start - 2: len(tokens) - 2])[0]
 
 
 @torch.inference_mode()

@@ -89,7 +89,7 @@ class EagleTreeTokens(DraftSource):
         head, target = self.draft.head, self.draft.target
         u = head.inputs(target, torch.tensor([tokens], device=target.device), feats[None])
         h = head.body.forward_layers(u, input_pos, mask, position_ids=position_ids)[0, len(tokens) - leaves:]
-        return h, target.head(h[None])[0]
+        return h, head.logits(target, h[None])[0]
 
     def verified_features(self, features: Tensor | None) -> None:
         """The target's features ``[1 + accepted, dim]`` of the old root and the accepted tokens,

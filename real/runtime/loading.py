@@ -135,7 +135,7 @@ def _eagle_draft(exp: ExperimentConfig, target: Transformer, tokenizer: Tokenize
     if not path.is_dir():
         raise WeightsNotFound(str(d.path), "set pair.draft.path to an eagle head directory "
                               "(python -m real.train.draft kind=eagle writes one)")
-    return EagleDraft(load_head(path, target), target, params, d.name)
+    return EagleDraft(load_head(path, target, draft_vocab=d.draft_vocab), target, params, d.name)
 
 
 @DRAFTS.register("transformer")

@@ -198,7 +198,10 @@ def forward_ops(model: ModelConfig, hw: HardwareConfig, *, tp: int, tokens: int,
         if model.kind == "eagle":  # fc([embedding, feature]) before its one layer (real/model/eagle.py)
             ops.append(gemm("eagle_fc", 2 * h, h, 1, count=1))
     if hi == model.layers:
-        vp = -(-model.vocab // tp)
+        # an eagle head with a draft vocabulary computes only its rows (a TP target's sharded
+        # head serves whole on the real backend: real/model/eagle.py EagleHead.logits)
+        rows = model.draft_vocab if model.kind == "eagle" and model.draft_vocab and tp == 1 else model.vocab
+        vp = -(-rows // tp)
         head_peak = peak_flops(hw, hq) * cal.gemm_flop_efficiency
         ops += [norm("final_norm", 1),
                 gemm("lm_head", h, vp, 1, quant=hq, peak=head_peak, count=1, bucket="other")]

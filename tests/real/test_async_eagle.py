@@ -271,19 +271,26 @@ def _async_ranks(exp) -> Ranks:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def tiny_eagle(tmp_path_factory) -> tuple[Path, Path]:  # type: ignore[no-untyped-def]
-    """A tiny target checkpoint and a random eagle head for it."""
+    """A tiny target checkpoint and a random eagle head for it that proposes from half its
+    vocabulary (``TINY_DRAFT_VOCAB`` tokens: every draft path runs restricted)."""
     from real.model.weights import load_model
 
     root = tmp_path_factory.mktemp("tiny_eagle")
     target_dir = write_tiny_checkpoint(root / "target", seed=1, layers=3)
     target, _ = load_model(target_dir, max_seq=64)
-    save_head(EagleHead(target.args).init_random(3), root / "head", target_name="tiny")
+    head = EagleHead(target.args).init_random(3)
+    head.set_draft_vocab(torch.arange(0, 2 * TINY_DRAFT_VOCAB, 2), target.args.vocab_size)
+    save_head(head, root / "head", target_name="tiny")
     return target_dir, root / "head"
+
+
+TINY_DRAFT_VOCAB = 24
 
 
 def _tiny_exp(target: Path, head: Path, *extra: str):  # type: ignore[no-untyped-def]
     return compose_exp("backend=real", "pair=smollm2_135m+smollm2_eagle", f"pair.target.path={target}",
-                       f"pair.draft.path={head}", "workload.num_prompts=2", "workload.max_new_tokens=20",
+                       f"pair.draft.path={head}", f"pair.draft.draft_vocab={TINY_DRAFT_VOCAB}",
+                       "workload.num_prompts=2", "workload.max_new_tokens=20",
                        "real.ignore_eos=true", "real.progress=false", "schedule=async",
                        "schedule.tree_width=3", "schedule.tree_budget=6", *extra)
 

@@ -27,7 +27,15 @@ from testbed.config import ConfigError
 from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams
 from tests.conftest import compose_exp
-from tests.helpers.real_models import TINY, tiny
+from tests.helpers.real_models import (
+    TINY,
+    TWO_TOKEN_PROMPT,
+    TWO_TOKEN_VOCAB,
+    exact_two_token_law,
+    tiny,
+    two_token_pair,
+    two_token_tv,
+)
 from tests.helpers.tree_fakes import forced_path
 
 
@@ -228,6 +236,101 @@ def test_a_head_for_another_target_and_a_corrupt_head_are_refused(tmp_path) -> N
         load_head(tmp_path / "ok", target)
 
 
+def test_a_draft_vocabulary_computes_only_its_rows_of_the_lm_head() -> None:
+    """Restricted to a few tokens, the head's logits are the full head's on those tokens (the same
+    sums) and -inf elsewhere; a tensor-parallel target's sharded head is left whole."""
+    from kernels import native
+
+    target = tiny(0)
+    head = EagleHead(target.args).init_random(2)
+    f = torch.randn(1, 3, target.args.dim, generator=torch.Generator().manual_seed(0))
+    full = head.logits(target, f)
+    assert torch.equal(full, target.head(f))
+    ids = torch.tensor([7, 1, 30, 12])
+    head.set_draft_vocab(ids, target.args.vocab_size)
+    part = head.logits(target, f)
+    keep = torch.zeros(target.args.vocab_size, dtype=torch.bool)
+    keep[ids] = True
+    assert torch.isneginf(part[..., ~keep]).all()
+    if native.AVAILABLE:
+        assert torch.equal(part[..., keep], full[..., keep])
+    else:
+        torch.testing.assert_close(part[..., keep], full[..., keep])
+    for bad in ([1, 1], [target.args.vocab_size], []):
+        with pytest.raises(ValueError, match="distinct token ids"):
+            head.set_draft_vocab(torch.tensor(bad, dtype=torch.long), target.args.vocab_size)
+
+
+@pytest.mark.parametrize("serve_name", ["sync", "tree"])
+def test_a_head_with_a_draft_vocabulary_proposes_only_it_and_equals_ar_at_temperature_0(serve_name: str) -> None:
+    from real.schedules.sync_tree import serve_sync_tree
+
+    params = SamplingParams()
+    target = tiny(0)
+    reqs = _requests()
+    exp = compose_exp("backend=real", "schedule.gamma=3",
+                      *(("schedule.tree=true", "schedule.tree_width=2", "schedule.tree_budget=6") if serve_name == "tree" else ()))
+    ar = _serve(_ctx(exp, target, None, params), serve_ar, reqs)
+    target.setup_cache(64)
+    # half the vocabulary, the tokens `ar` emits among them: some guesses can be right
+    emitted = sorted({t for o in ar for t in o})
+    ids = sorted(set(emitted[: len(emitted) // 2]) | set(range(0, target.args.vocab_size, 2)))
+    head = EagleHead(target.args).init_random(2)
+    head.set_draft_vocab(torch.tensor(ids), target.args.vocab_size)
+    draft = EagleDraft(head, target, params, "eagle")
+    proposed: list[int] = []
+    original = EagleDraft.propose
+
+    def spy(self, *a, **kw):  # type: ignore[no-untyped-def]
+        guesses, q = original(self, *a, **kw)
+        proposed.extend(guesses)
+        return guesses, q
+    EagleDraft.propose = spy  # type: ignore[method-assign]
+    try:
+        out = _serve(_ctx(exp, target, draft, params), serve_sync_tree if serve_name == "tree" else serve_sync, reqs)
+    finally:
+        EagleDraft.propose = original  # type: ignore[method-assign]
+        target.keep_hidden = False
+    assert out == ar
+    if serve_name == "sync":
+        assert proposed and set(proposed) <= set(ids)
+
+
+def test_a_head_with_a_draft_vocabulary_samples_the_target_distribution_at_temperature_1() -> None:
+    """The head may propose tokens 0 and 2 only (q is 0 on 1 and 3): two-token continuations
+    still follow the target's exact law within a fixed TV tolerance."""
+    target, _ = two_token_pair(1)
+    params = SamplingParams(temperature=1.0)
+    p_exact = exact_two_token_law(target, params)
+    assert float(p_exact[[1, 3]].sum()) > 0.25  # the tokens the head cannot propose matter
+    head = EagleHead(target.args).init_random(3, std=0.5)
+    head.set_draft_vocab(torch.tensor([0, 2]), TWO_TOKEN_VOCAB)
+    exp = compose_exp("schedule.gamma=2", "seed=5", "sampling.temperature=1.0")
+    target.setup_cache(16)
+    ctx = _ctx(exp, target, EagleDraft(head, target, params, "eagle"), params)
+    try:
+        _serve(ctx, serve_sync, [RealRequest(i, "p", TWO_TOKEN_PROMPT, 2) for i in range(1000)])
+    finally:
+        target.keep_hidden = False
+    tv = two_token_tv(ctx.rec.requests, p_exact)
+    assert tv < 0.08, tv  # E[TV] of 1000 exact samples over 16 outcomes is ~0.05
+    assert ctx.rec.frames()[0].accepted.sum() > 0
+
+
+def test_a_draft_vocabulary_is_saved_with_the_head_and_a_corrupt_one_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    target = tiny(0)
+    head = EagleHead(target.args).init_random(0)
+    head.set_draft_vocab(torch.tensor([3, 9, 2]), target.args.vocab_size)
+    save_head(head, tmp_path / "h", target_name="tiny")
+    loaded = load_head(tmp_path / "h", target)
+    assert loaded.draft_vocab is not None and loaded.draft_vocab.tolist() == [2, 3, 9]
+    save_head(EagleHead(target.args).init_random(0), tmp_path / "full", target_name="tiny")
+    assert load_head(tmp_path / "full", target).draft_vocab is None
+    (tmp_path / "h" / "draft_vocab.safetensors").write_bytes(b"xx")
+    with pytest.raises(RealSetupError, match="draft_vocab.safetensors is not a draft vocabulary"):
+        load_head(tmp_path / "h", target)
+
+
 def test_eagle_configs_are_checked() -> None:
     exp = compose_exp("pair=smollm2_135m+smollm2_eagle")
     assert exp.pair.draft.kind == "eagle"
@@ -259,6 +362,34 @@ def test_the_simulator_costs_an_eagle_head_as_one_layer_an_fc_and_the_lm_head() 
     # beside the target in sync: on the target's GPUs, whatever placement.draft_gpus says
     cost = RooflineCost(compose_exp("pair=llama3_8b+llama3_8b_eagle", "placement.target_gpus=2"))
     assert cost.models["draft"][1] == 2
+
+
+def test_a_draft_vocabulary_is_a_setting_the_simulator_prices_and_the_real_backend_checks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from sim.cost.roofline_forward import forward_cost
+
+    exp = compose_exp("pair=llama3_8b+llama3_8b_eagle")
+    d, hw = exp.pair.draft, exp.hardware
+    small = compose_exp("pair=llama3_8b+llama3_8b_eagle", "pair.draft.draft_vocab=32768").pair.draft
+    full_cost, small_cost = (forward_cost(m, hw, tp=1, tokens=1, context=512) for m in (d, small))
+    # the LM head's rows: 128,256 -> 32,768 of 4,096 bf16 weights
+    assert full_cost.hbm_bytes - small_cost.hbm_bytes == pytest.approx(2 * 4096 * (128256 - 32768), rel=0.01)
+    for bad in ("pair.draft.draft_vocab=-1", "pair.draft.draft_vocab=200000"):
+        with pytest.raises(ConfigError, match="pair.draft.draft_vocab"):
+            compose_exp("pair=llama3_8b+llama3_8b_eagle", bad)
+    with pytest.raises(ConfigError, match="an eagle head's"):
+        compose_exp("pair.draft.draft_vocab=100")  # the small draft model has its own LM head
+    # real: the folder must hold what the setting says, or the setting is 0 (every token)
+    target = tiny(0)
+    head = EagleHead(target.args).init_random(0)
+    save_head(head, tmp_path / "full", target_name="tiny")
+    with pytest.raises(RealSetupError, match="has no draft_vocab.safetensors"):
+        load_head(tmp_path / "full", target, draft_vocab=8)
+    head.set_draft_vocab(torch.arange(10), target.args.vocab_size)
+    save_head(head, tmp_path / "ten", target_name="tiny")
+    with pytest.raises(RealSetupError, match="holds 10 tokens"):
+        load_head(tmp_path / "ten", target, draft_vocab=8)
+    assert load_head(tmp_path / "ten", target, draft_vocab=10).draft_vocab is not None
+    assert load_head(tmp_path / "ten", target, draft_vocab=0).draft_vocab is None
 
 
 def test_the_target_reply_carries_the_features_an_eagle_draft_reads() -> None:

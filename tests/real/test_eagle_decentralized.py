@@ -225,7 +225,8 @@ def test_decentralized_with_an_eagle_head_in_stage_processes_equals_ar(tmp_path:
     model, _ = load_model(target, max_seq=64)
     save_head(EagleHead(model.args).init_random(0), tmp_path / "head", target_name="tiny")
     common = ("backend=real", "pair=smollm2_135m+smollm2_eagle", f"pair.target.path={target}",
-              f"pair.draft.path={tmp_path / 'head'}", "pair.target.layers=4", "real.dtype=fp32",
+              f"pair.draft.path={tmp_path / 'head'}", "pair.draft.draft_vocab=0", "pair.target.layers=4",
+              "real.dtype=fp32",
               "workload.num_prompts=2", "workload.max_new_tokens=10", "real.ignore_eos=true",
               "real.progress=false")
     res = run(compose_exp(*common, "schedule=decentralized", "placement.nodes=2", "schedule.gamma=3",

@@ -197,3 +197,24 @@ def test_teacher_generation_is_each_prompts_greedy_continuation_with_its_top_k()
         assert torch.equal(s["idx"][:, 0].long(), lp.argmax(-1))
         assert torch.allclose(s["lp"].float(), lp.gather(-1, s["idx"].long()), atol=1e-2)  # kept in fp16
     assert len(seqs[1]["tokens"]) - len(prompts[1]) < 10 and seqs[1]["tokens"][-1] == eos[0]
+
+
+def test_a_draft_vocabulary_ranks_the_target_s_own_tokens_first_then_the_corpus() -> None:
+    from collections import Counter
+
+    from real.train.draft_vocab import rank_tokens
+
+    ranked = rank_tokens(Counter({5: 3, 2: 7}), Counter({9: 100, 5: 1, 1: 4}), 10)
+    assert ranked[:4] == [2, 5, 9, 1]  # every generated token before any corpus one
+    assert sorted(ranked) == list(range(10))  # every token once, the unseen by id
+    assert ranked[4:] == [0, 3, 4, 6, 7, 8]
+
+
+def test_a_draft_vocabulary_needs_an_eagle_head_s_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "real.train.draft_vocab", "--head", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not an eagle head's folder" in proc.stdout
+    assert len(proc.stdout.strip().splitlines()) == 1
