@@ -1,6 +1,6 @@
 """A draft vocabulary for an eagle head: the tokens it may propose (real/model/eagle.py).
 
-    python -m real.train.draft_vocab --head models/smollm2-eagle --size 16384
+    python -m real.train.draft_vocab --head models/smollm2-eagle --size 8192 --prompts 48
 
 The head's step is one decoder layer plus the target's LM head, and the LM head (49,152 x 576
 for SmolLM2) is most of its cost. Restricting the proposals to the tokens the target actually
@@ -54,8 +54,8 @@ def target_counts(target, tok, *, prompts: int, tokens: int, batch: int) -> tupl
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--head", default="models/smollm2-eagle", help="the eagle head's folder")
-    p.add_argument("--size", type=int, default=16384, help="tokens kept (0: remove the draft vocabulary)")
-    p.add_argument("--prompts", type=int, default=64, help="calibrate prompts per workload")
+    p.add_argument("--size", type=int, default=8192, help="tokens kept (0: remove the draft vocabulary)")
+    p.add_argument("--prompts", type=int, default=48, help="calibrate prompts per workload")
     p.add_argument("--tokens", type=int, default=128, help="continuation tokens per prompt")
     p.add_argument("--stdlib-chars", type=int, default=2_000_000)
     p.add_argument("--batch", type=int, default=32)
