@@ -142,7 +142,7 @@ def save_head(head: EagleHead, out: Path, *, target_name: str, extra: dict | Non
         "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "norm_eps", "rope_theta")}, **(extra or {})}
     tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in head.state().items()}
     save_file(tensors, str(out / WEIGHTS_FILE))
-    save_draft_vocab(head, out)
+    save_draft_vocab(head.draft_vocab, out)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
 
 
@@ -192,10 +192,10 @@ def load_head(path: Path, target: Transformer, *, draft_vocab: int | None = None
     return head
 
 
-def save_draft_vocab(head: EagleHead, out: Path) -> None:
-    """``out/draft_vocab.safetensors`` (the ids, int32) where the head has a draft vocabulary."""
-    if head.draft_vocab is not None:
-        save_file({"draft_vocab": head.draft_vocab.to(torch.int32).contiguous()}, str(out / VOCAB_FILE))
+def save_draft_vocab(ids: Tensor | None, out: Path) -> None:
+    """``out/draft_vocab.safetensors``: a draft vocabulary's token ids (int32, sorted); nothing for None."""
+    if ids is not None:
+        save_file({"draft_vocab": ids.sort().values.to(torch.int32).contiguous()}, str(out / VOCAB_FILE))
 
 
 class EagleDraft(_ForwardDraft):

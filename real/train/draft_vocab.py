@@ -23,8 +23,7 @@ from collections import Counter
 
 import torch
 
-from real.errors import RealSetupError
-from real.model.eagle import CONFIG_FILE, VOCAB_FILE, EagleHead, is_eagle_dir, save_draft_vocab
+from real.model.eagle import CONFIG_FILE, VOCAB_FILE, is_eagle_dir, save_draft_vocab
 from real.train.draft_data import calibration_prompts, generate_batch, stdlib_text
 from testbed.paths import repo_path
 
@@ -81,12 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     generated, corpus, n_prompts = target_counts(target, tok, prompts=a.prompts, tokens=a.tokens, batch=a.batch)
     corpus.update(tok.encode(stdlib_text(a.stdlib_chars, seed=0)))
     ranked = rank_tokens(generated, corpus, target.args.vocab_size)[: a.size]
-    head = EagleHead(target.args)
-    try:
-        head.set_draft_vocab(torch.tensor(ranked), target.args.vocab_size)
-    except ValueError as exc:
-        raise RealSetupError(f"draft_vocab: {exc}") from exc
-    save_draft_vocab(head, head_dir)
+    save_draft_vocab(torch.tensor(ranked), head_dir)  # distinct ids of the vocabulary by construction
     total = sum(generated.values())
     kept = set(ranked)
     config["draft_vocab"] = {
