@@ -79,7 +79,8 @@ def main() -> None:
     for name in args.dtypes:
         dtype = DTYPES[name]
         torch_peak = max(v for key, v in gemm_peak(dtype).items() if key.startswith("torch"))
-        model, _ = load_model(None, dtype=dtype, max_seq=args.context + max(args.ks) + 8)
+        with torch.inference_mode():  # as real runs load (real/runtime/engine.py): inference tensors
+            model, _ = load_model(None, dtype=dtype, max_seq=args.context + max(args.ks) + 8)
         rows = CacheRows(model, max(args.batches), args.context + max(args.ks) + 8)
         prompt = torch.randint(0, 1000, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
         for r in range(1, max(args.batches) + 1):

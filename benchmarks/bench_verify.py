@@ -166,8 +166,8 @@ def run_dtype(name: str, args: argparse.Namespace) -> list[dict]:
     print(f"\n{name}: GEMM peak {max(peaks.values()) / 1e9:.1f} GFLOP/s "
           f"({', '.join(f'{k} {v / 1e9:.1f}' for k, v in peaks.items())}); each forward is paired "
           "with a read-bandwidth and FMA-peak probe just before it")
-    model, _ = load_model(None, dtype=dtype, max_seq=args.context + 32)
-    with torch.inference_mode():
+    with torch.inference_mode():  # as real runs load (real/runtime/engine.py): inference tensors
+        model, _ = load_model(None, dtype=dtype, max_seq=args.context + 32)
         model(torch.randint(0, 1000, (1, args.context)), 0)
     rows = []
     for k in args.ks:
