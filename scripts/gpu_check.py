@@ -154,7 +154,7 @@ class Check:
                     "equal_ar": outs == self.ar_outputs if self.ar_outputs is not None else None,
                     "telemetry": (run_dir / "telemetry.parquet").is_file(),
                     "gpu_telemetry": _has_gpu_columns(run_dir / "telemetry.parquet"),
-                    "run_dir": str(run_dir), **_round_times(run_dir)}
+                    "run_dir": str(run_dir.relative_to(self.work)), **_round_times(run_dir)}
             row |= self.predict(label, overrides, run_dir, summary)
         except Exception as e:  # noqa: BLE001 - reported, the next run goes on
             row["error"] = f"{type(e).__name__}: {e}"[-700:]
@@ -230,7 +230,7 @@ class Check:
                 for row in self.runs:
                     if row["run"].startswith(("sync", "serial")) and "error" not in row and self.left_s() > 30:
                         overrides = dict(RUNS)[row["run"]]
-                        row |= self.predict(row["run"], overrides, Path(row["run_dir"]), row)
+                        row |= self.predict(row["run"], overrides, self.work / row["run_dir"], row)
         return self.summary(info, peaks, forwards)
 
     def device_tests(self) -> None:

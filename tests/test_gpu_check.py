@@ -103,6 +103,9 @@ def _dry_run(tmp_path: Path, runs: tuple[str, ...]) -> dict:
         assert "error" not in r, (name, r.get("error"))
         assert r["equal_ar"] is True, name
         assert r["tokens_per_s"] > 0 and r["telemetry"] is True, name
+        # the summary is committed to docs/: its run folders are named within the check's work
+        # folder, never by this machine's path
+        assert r["run_dir"] == f"runs/{r['run'].replace(' ', '_').replace('=', '')}", r["run_dir"]
     assert all(0 < runs_done[n]["alpha"] <= 1 for n in runs)  # the draft is neither always right nor never
     assert runs_done["sync g4"]["sim_roofline_tokens_per_s"] > 0  # the simulator's prediction of it
     assert [r["k"] for r in s["forwards"]] == [1, 2, 4, 8, 16]
