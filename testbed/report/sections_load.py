@@ -148,7 +148,8 @@ def _figures(ctx: ReportContext, b: pd.DataFrame, *, backend: str, unit: str, cr
     ax2.set_xlabel(f"load ({unit})")
     ax2.set_ylabel("ar's P50 TPOT / its P50 TPOT, same load")
     ax2.set_title("speculation's speedup against load")
-    ax2.legend(fontsize=7, loc="best")
+    if ax2.get_legend_handles_labels()[0]:  # no speculative variant (no `ar` to compare): no legend
+        ax2.legend(fontsize=7, loc="best")
     ax1.legend(fontsize=7, loc="best")
     fig.tight_layout()
     savefig(fig, ctx.figure_path(f"load_{backend}{'_closed' if unit == 'clients' else ''}.png"))
