@@ -290,11 +290,13 @@ def add_tree_tables(models: dict[str, Any], drafts: list[Any], dtype: torch.dtyp
         need = LEAVES[-1] * (GROWN + 1) + 64 + 2  # history + the tree's slots
         if model.max_seq < need:
             model.setup_cache(need)
-        local, vocab = LocalModel(model), model.args.vocab_size
-        tables = {cls: time_expansions(local, vocab, SamplingParams(temperature=temp))
+        vocab = model.args.vocab_size
+        # the serial tree keeps a replayed forward's logits on the GPU at temperature 0 (sync_tree)
+        local = {cls: LocalModel(model, device_logits=temp == 0.0) for cls, temp in TEMPERATURES.items()}
+        tables = {cls: time_expansions(local[cls], vocab, SamplingParams(temperature=temp))
                   for cls, temp in TEMPERATURES.items()}
         models[name]["tree_expand"] = tables
-        models[name]["tree_rounds"] = {cls: time_bookkeeping(local, vocab, SamplingParams(temperature=temp))
+        models[name]["tree_rounds"] = {cls: time_bookkeeping(local[cls], vocab, SamplingParams(temperature=temp))
                                       for cls, temp in TEMPERATURES.items()}
         cells = "; ".join(f"{cls}: " + " ".join(f"{n}={1e3 * s:.2f}" for n, s in zip(t["leaves"], t["seconds"]))
                           for cls, t in tables.items())

@@ -74,20 +74,21 @@ class GraphedForwards:
         k = len(tokens)
         if not self._usable(k, start + k):
             return None
-        return self._replay((CHAIN, k), start + k, tokens=torch.tensor([tokens], dtype=torch.long),
+        return self._replay((CHAIN, k), start + k, True, tokens=torch.tensor([tokens], dtype=torch.long),
                             slots=torch.arange(start, start + k))
 
     def tree_logits(self, tokens: Sequence[int], *, input_pos: Tensor, mask: Tensor,
-                    position_ids: Tensor) -> Tensor | None:
+                    position_ids: Tensor, to_host: bool = True) -> Tensor | None:
         """A tree-masked forward (``Transformer.forward``'s arguments: ``mask [k, S]`` over
-        slots ``[0, S)``); None where a graph does not apply."""
+        slots ``[0, S)``); None where a graph does not apply. ``to_host=False``: the logits stay
+        on the device (a copy of the graph's output, which the next replay overwrites)."""
         k, width = len(tokens), mask.shape[-1]
         high = int(input_pos.max()) + 1
         if not self._usable(k, max(high, width)):
             return None
         full = torch.zeros(k, self.model.max_seq, dtype=torch.bool)
         full[:, :width] = mask
-        return self._replay((TREE, k), high, tokens=torch.tensor([list(tokens)], dtype=torch.long),
+        return self._replay((TREE, k), high, to_host, tokens=torch.tensor([list(tokens)], dtype=torch.long),
                             slots=input_pos, positions=position_ids, mask=full)
 
     def prepare(self, counts: Iterable[int], *, tree: bool = False) -> None:
@@ -99,7 +100,7 @@ class GraphedForwards:
                     if (kind, k) not in self._graphs:
                         self._graphs[(kind, k)] = self._capture(kind, k)
 
-    def _replay(self, key: tuple[str, int], high: int, **inputs: Tensor) -> Tensor:
+    def _replay(self, key: tuple[str, int], high: int, to_host: bool, **inputs: Tensor) -> Tensor:
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)
         graph, buffers, out = self._graphs[key]
@@ -108,7 +109,7 @@ class GraphedForwards:
         graph.replay()
         self.model.kv_len = high
         self.replays += 1
-        return out.cpu()
+        return out.cpu() if to_host else out.clone()
 
     def _capture(self, kind: str, k: int) -> tuple[torch.cuda.CUDAGraph, dict[str, Tensor], Tensor]:
         m = self.model

@@ -51,17 +51,22 @@ class ForwardModel(Protocol):
 
 
 class LocalModel:
-    """A ``real.model.decoder.Transformer`` in this process, as a ``ForwardModel``."""
+    """A ``real.model.decoder.Transformer`` in this process, as a ``ForwardModel``.
+    ``device_logits``: a replayed forward's logits stay on the GPU (the serial tree at
+    temperature 0 ranks the leaves and takes the argmax there and copies back only those; at
+    temperature > 0 the draws use host generators, so the logits come to the host)."""
 
-    def __init__(self, model) -> None:  # model: real.model.decoder.Transformer
+    def __init__(self, model, *, device_logits: bool = False) -> None:  # model: real.model.decoder.Transformer
         self.model = model
+        self.device_logits = device_logits
 
     @torch.inference_mode()
     def logits(self, tokens: Sequence[int], *, input_pos: torch.Tensor, mask: torch.Tensor,
                position_ids: torch.Tensor) -> torch.Tensor:
         graphs = None if self.model.keep_hidden else self.model.graph_forwards
         if graphs is not None:  # replayed from a CUDA graph (real.model.cuda_graphs) where one applies
-            logits = graphs.tree_logits(tokens, input_pos=input_pos, mask=mask, position_ids=position_ids)
+            logits = graphs.tree_logits(tokens, input_pos=input_pos, mask=mask, position_ids=position_ids,
+                                        to_host=not self.device_logits)
             if logits is not None:
                 return logits
         x = torch.tensor([list(tokens)], device=self.model.device)
@@ -186,18 +191,19 @@ def tree_cache_slots(sequence_len: int) -> int:
     return sequence_len + TREE_SLOTS
 
 
-def tree_models(ctx) -> tuple[ForwardModel, ForwardModel]:  # type: ignore[no-untyped-def]
+def tree_models(ctx, *, device_logits: bool = False) -> tuple[ForwardModel, ForwardModel]:  # type: ignore[no-untyped-def]
     """(draft, target) as ForwardModels for a real schedule context: the models of this process,
-    or the leaders' handles of tensor-parallel groups."""
+    or the leaders' handles of tensor-parallel groups (``LocalModel``'s ``device_logits``)."""
     from real.errors import RealSetupError
     from real.model.drafts import ModelDraft
     from real.model.eagle import EagleDraft
 
     if isinstance(ctx.draft, EagleDraft):  # its source is real.model.eagle_tree's: no draft model here
-        return None, LocalModel(ctx.target.model)  # type: ignore[return-value]
+        return None, LocalModel(ctx.target.model, device_logits=device_logits)  # type: ignore[return-value]
     if not isinstance(ctx.draft, ModelDraft):
         name = getattr(ctx.draft, "name", type(ctx.draft).__name__)
         raise RealSetupError(f"pair.draft={name!r} cannot grow a token tree (schedule.tree=true "
                              "and schedule=async need a draft model with its own KV cache): "
                              "use pair=smollm2_135m+smollm2_draft or schedule.tree=false")
-    return LocalModel(ctx.draft.model), LocalModel(ctx.target.model)
+    return (LocalModel(ctx.draft.model, device_logits=device_logits),
+            LocalModel(ctx.target.model, device_logits=device_logits))

@@ -27,7 +27,9 @@ def serve_sync_tree(ctx: RealContext, req: RealRequest) -> None:
     s = exp.schedule
     depth = s.tree_depth or s.gamma
     gen = ctx.generator(rid)
-    draft_model, target_model = tree_models(ctx)
+    # at temperature 0 a replayed forward's logits stay on the GPU: the leaves are ranked and the
+    # verification's argmax taken there, and only those come back (tree_tokens.LocalModel)
+    draft_model, target_model = tree_models(ctx, device_logits=ctx.params.greedy)
     ids = list(req.prompt_ids)
     t = ctx.now()
     ctx.target.prefill(ids)

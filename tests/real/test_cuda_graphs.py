@@ -119,6 +119,7 @@ def test_replayed_tree_graph_equals_eager_on_cuda() -> None:
     ids = list(range(1, 12))
     for m in (eager, graphed):
         m(torch.tensor([ids]), input_pos=0)
+    kept = []
     for k, seed in ((3, 1), (8, 2), (16, 3)):
         slots, mask, positions = _tree_inputs(11, k, 11 + k, seed)
         tokens = [(7 * i + seed) % TINY.vocab_size for i in range(k)]
@@ -126,7 +127,14 @@ def test_replayed_tree_graph_equals_eager_on_cuda() -> None:
                      position_ids=positions)[0].cpu()
         got = LocalModel(graphed).logits(tokens, input_pos=slots, mask=mask, position_ids=positions)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert graphed.graph_forwards.replays == 3 and graphed.graph_forwards.captures == captured
+        # the serial tree at temperature 0 keeps them on the device: the same logits, its own copy
+        on_device = LocalModel(graphed, device_logits=True).logits(tokens, input_pos=slots, mask=mask,
+                                                                   position_ids=positions)
+        assert on_device.device.type == "cuda"
+        kept.append((on_device, want))
+    for on_device, want in kept:  # later replays rewrote the graphs' outputs, not these
+        torch.testing.assert_close(on_device.cpu(), want, rtol=1e-4, atol=1e-4)
+    assert graphed.graph_forwards.replays == 6 and graphed.graph_forwards.captures == captured
 
 
 # ------------------------------------------------------------- batched forwards (under load)
