@@ -27,7 +27,8 @@ CHAIN, TREE = "chain", "tree"
 
 
 class GraphedForwards:
-    """``logits(tokens, start)`` / ``tree_logits(...)``: host fp32 logits ``[k, V]``, replayed."""
+    """``logits(tokens, start)`` / ``tree_logits(...)``: fp32 logits ``[k, V]``, replayed; on the
+    host (a tree's may stay on the device: ``to_host=False``)."""
 
     def __init__(self, model) -> None:  # model: real.model.decoder.Transformer
         self.model = model
