@@ -197,9 +197,9 @@ class DraftTree:
             race = torch.div(dists, race.log_().neg_(), out=race)
             draws = torch.topk(race, c, dim=-1).indices
             child_p, child_tok = dists.gather(-1, draws).tolist(), draws.tolist()
+            rank_p = top_p.tolist()  # the priors; topk mode reads none (each copy: a GPU sync)
         else:
             child_p, child_tok = top_p.tolist(), top_idx.tolist()
-        rank_p = top_p.tolist()
         rows = dists.unbind(0)  # every row's view in one call (indexing costs ~3 µs a row)
         new: list[int] = []
         for j, node in enumerate(node_ids):
