@@ -11,6 +11,7 @@
 
     taskset -c 1 python benchmarks/bench_lookahead.py --workload humaneval --prompts 8 --tokens 96 --rounds 3
     taskset -c 1 python benchmarks/bench_lookahead.py --workload mtbench ...   # transfer: DISCO trained on HumanEval
+    taskset -c 1 python benchmarks/bench_lookahead.py --dtype fp32 ...   # verification ~ one token's cost
     python benchmarks/bench_lookahead.py --cost-only
 """
 
@@ -88,7 +89,7 @@ def paired(args: argparse.Namespace) -> dict:
     base = ["backend=real", f"pair={args.pair}", f"workload={args.workload}", "workload.split=test",
             f"workload.num_prompts={args.prompts}", f"workload.max_new_tokens={args.tokens}",
             "real.ignore_eos=true", "real.baseline=false", "real.progress=false", "real.threads=1",
-            "sampling.temperature=0"]
+            "sampling.temperature=0", f"real.dtype={args.dtype}"]
     tps: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
     for r in range(args.rounds):
@@ -116,6 +117,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                    help="real.dtype of the runs (fp32: forwards of up to ~8 tokens cost about one token's)")
     ap.add_argument("--cost-only", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -68,31 +68,44 @@ class EagleHead(nn.Module):
         # the tokens the head may propose (sorted ids; None: every token): its LM head computes
         # only their rows of the target's, as EAGLE-3 and FR-Spec restrict the draft's vocabulary
         self.draft_vocab: Tensor | None = None
-        # (the target LM head's data_ptr, its rows, the ids on its device)
-        self._vocab_rows: tuple[int, Tensor, Tensor] | None = None
+        # ((the target LM head's data_ptr, its TP rows), its rows of the draft vocabulary, the ids
+        # on its device, their positions among the ids)
+        self._vocab_rows: tuple[tuple, Tensor, Tensor, Tensor] | None = None
 
     def logits(self, target: Transformer, features: Tensor) -> Tensor:
         """The draft's fp32 logits ``[B, T, V]`` of predicted features ``[B, T, dim]``: the
         target's final norm and LM head, over the draft vocabulary's rows only where it has one
         (-inf elsewhere, so those tokens are never proposed and q is 0 there: the verification
-        stays exact). A tensor-parallel target's sharded LM head serves whole."""
-        if self.draft_vocab is None or target.tp_vocab is not None:
+        stays exact). A tensor-parallel rank computes the draft vocabulary's rows among its own
+        and the ranks sum the draft vocabulary's logits (zeros where another rank holds the row),
+        as the full head sums the whole vocabulary's."""
+        if self.draft_vocab is None:
             return target.head(features)
-        rows, ids = self._rows(target)
-        sub = kernels.linear(kernels.rms_norm(features, target.norm, target.args.norm_eps), rows).float()
+        rows, ids, at = self._rows(target)
+        normed = kernels.rms_norm(features, target.norm, target.args.norm_eps)
+        if rows.shape[0]:
+            sub = kernels.linear(normed, rows).float()
+        else:  # a rank none of whose rows is in the draft vocabulary
+            sub = normed.new_zeros(*normed.shape[:-1], 0, dtype=torch.float32)
+        if target.tp_vocab is not None:
+            sub = target.tp_allreduce(sub.new_zeros(*sub.shape[:-1], ids.numel()).index_copy_(-1, at, sub))
         out = sub.new_full((*sub.shape[:-1], target.args.vocab_size), float("-inf"))
         out.index_copy_(-1, ids, sub)
         return target._to_host(out)
 
-    def _rows(self, target: Transformer) -> tuple[Tensor, Tensor]:
-        """The draft vocabulary's rows of the target's LM head, one contiguous copy per target
-        (the native kernels pack a weight once per tensor)."""
-        key = target.output.data_ptr()
+    def _rows(self, target: Transformer) -> tuple[Tensor, Tensor, Tensor]:
+        """(this rank's LM-head rows of the draft vocabulary, one contiguous copy per target: the
+        native kernels pack a weight once per tensor; the draft vocabulary on the target's device;
+        the positions in it of those rows -- all of them without tensor parallelism)."""
+        key = (target.output.data_ptr(), target.tp_vocab)
         if self._vocab_rows is None or self._vocab_rows[0] != key:
             assert self.draft_vocab is not None
             ids = self.draft_vocab.to(target.output.device)
-            self._vocab_rows = (key, target.output.detach().index_select(0, ids).contiguous(), ids)
-        return self._vocab_rows[1], self._vocab_rows[2]
+            lo, hi = target.tp_vocab or (0, target.args.vocab_size)
+            at = ((ids >= lo) & (ids < hi)).nonzero().flatten()
+            rows = target.output.detach().index_select(0, ids[at] - lo).contiguous()
+            self._vocab_rows = (key, rows, ids, at)
+        return self._vocab_rows[1], self._vocab_rows[2], self._vocab_rows[3]
 
     def set_draft_vocab(self, ids: Tensor | None, vocab_size: int) -> None:
         """Restrict the proposals to ``ids`` (any order, each once, < ``vocab_size``), or lift it."""

@@ -238,7 +238,7 @@ def test_a_head_for_another_target_and_a_corrupt_head_are_refused(tmp_path) -> N
 
 def test_a_draft_vocabulary_computes_only_its_rows_of_the_lm_head() -> None:
     """Restricted to a few tokens, the head's logits are the full head's on those tokens (the same
-    sums) and -inf elsewhere; a tensor-parallel target's sharded head is left whole."""
+    sums) and -inf elsewhere."""
     from kernels import native
 
     target = tiny(0)
@@ -259,6 +259,65 @@ def test_a_draft_vocabulary_computes_only_its_rows_of_the_lm_head() -> None:
     for bad in ([1, 1], [target.args.vocab_size], []):
         with pytest.raises(ValueError, match="distinct token ids"):
             head.set_draft_vocab(torch.tensor(bad, dtype=torch.long), target.args.vocab_size)
+
+
+def test_a_draft_vocabulary_under_tensor_parallelism_sums_only_its_rows() -> None:
+    """Each TP rank computes the draft vocabulary's rows among its own LM-head rows and the ranks
+    sum a vector of the draft vocabulary's size, not the whole vocabulary's: the logits equal the
+    unsharded head's, on every rank, one all-reduce per call (the ranks stay matched), also where
+    a rank holds none of the draft vocabulary's rows."""
+    import threading
+
+    from real.model.tp import apply_tp
+
+    world, calls, sizes = 2, [0, 0], []
+    parts: list[torch.Tensor | None] = [None] * world
+    barrier = threading.Barrier(world)
+
+    class ThreadSum:  # kernels.allreduce.AllReduce over threads of one process
+        def __init__(self, rank: int) -> None:
+            self.rank, self.world = rank, world
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            calls[self.rank] += 1
+            sizes.append(x.shape[-1])
+            parts[self.rank] = x.clone()
+            barrier.wait(30)
+            total = sum(p for p in parts if p is not None)
+            barrier.wait(30)
+            return x.copy_(total)
+
+        def native(self) -> None:
+            return None
+
+        def error(self, rc: int) -> Exception:
+            return RuntimeError(rc)
+
+    def rank_logits(head: EagleHead, shard: Transformer, f: torch.Tensor, out: list, r: int) -> None:
+        out[r] = head.logits(shard, f)
+        out[r] = head.logits(shard, f)  # the cached rows of this shard serve again
+
+    f = torch.randn(1, 3, TINY.dim, generator=torch.Generator().manual_seed(0))
+    for ids, both in ((torch.tensor([7, 1, 30, 12, 90]), True), (torch.tensor([2, 5, 11]), False)):
+        whole = tiny(0)
+        head = EagleHead(whole.args).init_random(2)
+        head.set_draft_vocab(ids, whole.args.vocab_size)
+        expected = head.logits(whole, f)
+        shards = [apply_tp(tiny(0), rank=r, world=world, allreduce=ThreadSum(r)) for r in range(world)]
+        lo1 = shards[1].tp_vocab[0] if shards[1].tp_vocab else 0
+        assert bool((ids >= lo1).any()) == both  # the second set lies in rank 0's rows only
+        out: list[torch.Tensor | None] = [None] * world
+        calls[:], sizes[:] = [0, 0], []
+
+        threads = [threading.Thread(target=rank_logits, args=(head, shards[r], f, out, r)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert calls == [2, 2] and set(sizes) == {ids.numel()}
+        for r in range(world):
+            torch.testing.assert_close(out[r], expected, rtol=1e-5, atol=1e-5)
+            assert torch.isneginf(out[r]).sum() == expected.numel() - 3 * ids.numel()
 
 
 @pytest.mark.parametrize("serve_name", ["sync", "tree"])
