@@ -37,17 +37,33 @@ def _rms(x: Tensor) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-@torch.inference_mode()
-def target_features(target: Transformer, docs: list[list[int]], max_len: int) -> list[tuple[Tensor, Tensor]]:
-    """(tokens int32 [L], features fp16 [L, dim]) per document (cut to ``max_len``), teacher-forced."""
-    out = []
-    for ids in docs:
+def target_features(target: Transformer, docs: list[list[int]], max_len: int,
+                    threads: int = 1) -> list[tuple[Tensor, Tensor]]:
+    """(tokens int32 [L], features fp16 [L, dim]) per document (cut to ``max_len``), teacher-forced.
+    ``threads`` > 1: documents in that many threads at once (the native kernels run without the
+    GIL; each document's forward is the one it gets alone, so the features do not change)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    @torch.inference_mode()
+    def one(ids: list[int]) -> tuple[Tensor, Tensor] | None:
         ids = ids[:max_len]
         if len(ids) < 3:
-            continue
+            return None
         h = target.forward_layers(target.embed(torch.tensor([ids])), cache=False)[0]
-        out.append((torch.tensor(ids, dtype=torch.int32), h.to(torch.float16)))
-    return out
+        return torch.tensor(ids, dtype=torch.int32), h.to(torch.float16)
+
+    if threads <= 1 or len(docs) < 2:
+        results = [one(ids) for ids in docs]
+    else:
+        intra = torch.get_num_threads()
+        torch.set_num_threads(1)  # one core per document, not threads x intra-op threads
+        try:
+            results = [one(docs[0])]  # packs the weights once, before the threads share them
+            with ThreadPoolExecutor(threads) as pool:
+                results += list(pool.map(one, docs[1:]))
+        finally:
+            torch.set_num_threads(intra)
+    return [r for r in results if r is not None]
 
 
 def pack_rows(docs: list[tuple[Tensor, Tensor]], seq_len: int, seed: int) -> tuple[Tensor, Tensor]:
@@ -150,7 +166,7 @@ def train(cfg: DictConfig) -> EagleHead:
         docs = torch.load(feats_path, weights_only=False)
     else:
         seqs = [d["tokens"].tolist() for p in sorted(paths) for d in torch.load(p, weights_only=False)]
-        docs = target_features(target, seqs, e.max_len)
+        docs = target_features(target, seqs, e.max_len, threads=int(cfg.threads))
         _atomic_save(docs, feats_path)
     t_data = time.time() - t0
     rows = pack_rows(docs, e.seq_len, cfg.seed)

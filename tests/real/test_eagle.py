@@ -222,6 +222,20 @@ def test_training_on_a_tiny_target_learns_its_copy_behaviour() -> None:
     assert len(accepted) >= 4 and sum(accepted) / len(accepted) > 3.0
 
 
+def test_features_computed_in_threads_equal_those_computed_one_by_one() -> None:
+    """Training computes the target's features of its documents in ``threads`` threads: the same
+    features in the same order, documents too short to train on dropped alike."""
+    target = tiny(0)
+    gen = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, TINY.vocab_size, (n,), generator=gen).tolist() for n in (40, 2, 17, 33, 9, 60)]
+    intra = torch.get_num_threads()
+    one = target_features(target, docs, 48)
+    two = target_features(target, docs, 48, threads=2)
+    assert len(one) == len(two) == 5 and torch.get_num_threads() == intra  # restored
+    for (t1, f1), (t2, f2) in zip(one, two):
+        assert torch.equal(t1, t2) and torch.equal(f1, f2)
+
+
 def test_a_head_for_another_target_and_a_corrupt_head_are_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
     target = tiny(0)
     other = Transformer(type(TINY)(**{**TINY.__dict__, "dim": 32, "n_heads": 2, "n_kv_heads": 1})).init_random(0)
