@@ -58,9 +58,12 @@ def target_features(target: Transformer, docs: list[list[int]], max_len: int,
         intra = torch.get_num_threads()
         torch.set_num_threads(1)  # one core per document, not threads x intra-op threads
         try:
-            results = [one(docs[0])]  # packs the weights once, before the threads share them
+            results, i = [], 0
+            while i < len(docs) and (not results or results[-1] is None):
+                results.append(one(docs[i]))  # the first forward packs the weights the threads share
+                i += 1
             with ThreadPoolExecutor(threads) as pool:
-                results += list(pool.map(one, docs[1:]))
+                results += list(pool.map(one, docs[i:]))
         finally:
             torch.set_num_threads(intra)
     return [r for r in results if r is not None]

@@ -227,11 +227,11 @@ def test_features_computed_in_threads_equal_those_computed_one_by_one() -> None:
     features in the same order, documents too short to train on dropped alike."""
     target = tiny(0)
     gen = torch.Generator().manual_seed(3)
-    docs = [torch.randint(0, TINY.vocab_size, (n,), generator=gen).tolist() for n in (40, 2, 17, 33, 9, 60)]
+    docs = [torch.randint(0, TINY.vocab_size, (n,), generator=gen).tolist() for n in (2, 40, 17, 33, 1, 60)]
     intra = torch.get_num_threads()
     one = target_features(target, docs, 48)
     two = target_features(target, docs, 48, threads=2)
-    assert len(one) == len(two) == 5 and torch.get_num_threads() == intra  # restored
+    assert len(one) == len(two) == 4 and torch.get_num_threads() == intra  # restored
     for (t1, f1), (t2, f2) in zip(one, two):
         assert torch.equal(t1, t2) and torch.equal(f1, f2)
 
