@@ -216,7 +216,7 @@ def train(cfg: DictConfig) -> Transformer:
     data_dir = repo_path(cfg.data_dir) if cfg.get("data_dir") else work / "data"
     ckpt_path = work / "ckpt.pt"
     t_start = time.time()
-    paths = build_teacher_data(cfg, data_dir)
+    paths = build_teacher_data(cfg, data_dir, workers=int(cfg.threads))
     data = pack(paths, cfg)
     t_data = time.time() - t_start
     a, t = arch_from_cfg(cfg), cfg.train

@@ -186,9 +186,17 @@ def data_jobs(cfg: DictConfig, tok) -> list[tuple[str, str, object]]:
     return jobs
 
 
-def build_teacher_data(cfg: DictConfig, data_dir: Path, *, limit: int | None = None) -> list[Path]:
+def build_teacher_data(cfg: DictConfig, data_dir: Path, *, limit: int | None = None,
+                       workers: int = 1) -> list[Path]:
     """Run every teacher batch whose shard is not on disk yet; return all shard paths (the
-    first ``limit`` batches only, when given)."""
+    first ``limit`` batches only, when given). ``workers`` > 1: that many batches at once, each
+    on its own copy of the target (a KV cache is the model's) in a thread of its own with one
+    core (the native kernels run without the GIL; a batch's layers use one thread). A shard's
+    content does not depend on which copy ran it: every batch draws from its own generator, and
+    the kernels give each row the same logits however it is batched."""
+    from concurrent.futures import ThreadPoolExecutor
+    from queue import Queue
+
     from tqdm import tqdm
 
     from real.model.tokenizer import load_bundled_tokenizer
@@ -200,18 +208,41 @@ def build_teacher_data(cfg: DictConfig, data_dir: Path, *, limit: int | None = N
     todo = [(n, kind, pl, p) for (n, kind, pl), p in zip(jobs, paths) if not p.is_file()]
     if not todo:
         return paths
-    target, _ = load_model(max_seq=cfg.data.max_prompt_tokens + cfg.data.max_new_tokens + 8)
-    bar = tqdm(todo, desc="teacher data", unit="batch", dynamic_ncols=True, mininterval=5)
-    for name, kind, payload, path in bar:
-        bar.set_postfix_str(name)
-        if kind == "raw":
-            seqs = teacher_force_batch(target, payload, cfg.data.topk)
-        else:
-            _, temp, max_new = kind.split(":")
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + hash_name(name))
-            seqs = generate_batch(target, payload, max_new=int(max_new), temperature=float(temp),
-                                  k=cfg.data.topk, eos=tok.eos_token_ids, gen=gen)
+    max_seq = cfg.data.max_prompt_tokens + cfg.data.max_new_tokens + 8
+    targets: Queue = Queue()
+    for _ in range(max(1, min(workers, len(todo)))):
+        targets.put(load_model(max_seq=max_seq)[0])
+    bar = tqdm(total=len(todo), desc="teacher data", unit="batch", dynamic_ncols=True, mininterval=5)
+
+    def run(job: tuple[str, str, object, Path]) -> None:
+        name, kind, payload, path = job
+        target = targets.get()
+        try:
+            if kind == "raw":
+                seqs = teacher_force_batch(target, payload, cfg.data.topk)
+            else:
+                _, temp, max_new = kind.split(":")
+                gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + hash_name(name))
+                seqs = generate_batch(target, payload, max_new=int(max_new), temperature=float(temp),
+                                      k=cfg.data.topk, eos=tok.eos_token_ids, gen=gen)
+        finally:
+            targets.put(target)
         _atomic_save(seqs, path)
+        bar.set_postfix_str(name, refresh=False)
+        bar.update(1)
+
+    if targets.qsize() == 1:
+        for job in todo:
+            run(job)
+    else:
+        intra = torch.get_num_threads()
+        torch.set_num_threads(1)  # one core per batch, not workers x intra-op threads
+        try:
+            with ThreadPoolExecutor(targets.qsize()) as pool:
+                list(pool.map(run, todo))
+        finally:
+            torch.set_num_threads(intra)
+    bar.close()
     return paths
 
 

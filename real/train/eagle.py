@@ -162,7 +162,7 @@ def train(cfg: DictConfig) -> EagleHead:
     t0 = time.time()
     work = repo_path(cfg.work_dir)
     data_dir = repo_path(cfg.data_dir) if cfg.get("data_dir") else work / "data"
-    paths = build_teacher_data(cfg, data_dir, limit=e.get("shards"))
+    paths = build_teacher_data(cfg, data_dir, limit=e.get("shards"), workers=int(cfg.threads))
     target, _ = load_model(max_seq=e.max_len + 8)
     feats_path = work / f"eagle_features_{e.max_len}_{len(paths)}.pt"
     if feats_path.is_file():

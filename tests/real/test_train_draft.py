@@ -199,6 +199,34 @@ def test_teacher_generation_is_each_prompts_greedy_continuation_with_its_top_k()
     assert len(seqs[1]["tokens"]) - len(prompts[1]) < 10 and seqs[1]["tokens"][-1] == eos[0]
 
 
+@pytest.mark.model
+def test_teacher_batches_in_two_workers_write_the_shards_one_worker_writes(tmp_path: Path) -> None:
+    """build_teacher_data with two workers (two copies of the target in threads, batches taken
+    as they free up) writes the very shards one worker does: greedy, sampled and teacher-forced
+    batches, every token and top-k log-probability equal."""
+    from real.train.draft_data import build_teacher_data
+
+    shards = {}
+    for workers in (1, 2):
+        cfg = _tiny_cfg(tmp_path, f"w{workers}")
+        cfg.data = OmegaConf.merge(cfg.data, dict(stdlib_functions=3, max_prompt_tokens=24, gen_batch=2,
+                                                  raw_tokens=256, raw_chunk=32, raw_batch=3))
+        paths = build_teacher_data(cfg, tmp_path / f"data{workers}", workers=workers)
+        shards[workers] = {p.name: torch.load(p, weights_only=False) for p in paths}
+    kinds = {name.split("_")[0] for name in shards[1]}
+    assert kinds == {"greedy", "sampled", "raw"} and len(shards[1]) >= 6
+    assert shards[2].keys() == shards[1].keys()
+    for name, seqs in shards[1].items():
+        assert len(shards[2][name]) == len(seqs)
+        for a, b in zip(seqs, shards[2][name]):
+            assert a.keys() == b.keys() and a["n_prompt"] == b["n_prompt"]
+            for key in ("tokens", "idx", "lp"):
+                assert torch.equal(a[key], b[key]), (name, key)
+    sampled = next(s for n, s in shards[1].items() if n.startswith("sampled"))
+    greedy = next(s for n, s in shards[1].items() if n.startswith("greedy"))
+    assert any(not torch.equal(a["tokens"], b["tokens"]) for a, b in zip(sampled, greedy))  # T=1 sampled
+
+
 def test_a_draft_vocabulary_ranks_the_target_s_own_tokens_first_then_the_corpus() -> None:
     from collections import Counter
 
