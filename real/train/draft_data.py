@@ -29,6 +29,21 @@ def _atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def map_in_threads(fn, items: list, threads: int) -> list:
+    """``[fn(x) for x in items]`` in ``threads`` threads at once, torch's intra-op pool set to one
+    thread meanwhile (one core per item, not threads x intra-op threads; the native kernels run
+    without the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    intra = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            return list(pool.map(fn, items))
+    finally:
+        torch.set_num_threads(intra)
+
+
 def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__"}
@@ -194,7 +209,6 @@ def build_teacher_data(cfg: DictConfig, data_dir: Path, *, limit: int | None = N
     core (the native kernels run without the GIL; a batch's layers use one thread). A shard's
     content does not depend on which copy ran it: every batch draws from its own generator, and
     the kernels give each row the same logits however it is batched."""
-    from concurrent.futures import ThreadPoolExecutor
     from queue import Queue
 
     from tqdm import tqdm
@@ -235,13 +249,7 @@ def build_teacher_data(cfg: DictConfig, data_dir: Path, *, limit: int | None = N
         for job in todo:
             run(job)
     else:
-        intra = torch.get_num_threads()
-        torch.set_num_threads(1)  # one core per batch, not workers x intra-op threads
-        try:
-            with ThreadPoolExecutor(targets.qsize()) as pool:
-                list(pool.map(run, todo))
-        finally:
-            torch.set_num_threads(intra)
+        map_in_threads(run, todo, targets.qsize())
     bar.close()
     return paths
 

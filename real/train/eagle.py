@@ -29,7 +29,7 @@ import kernels
 from real.model.decoder import Transformer
 from real.model.eagle import EagleHead, save_head
 from real.model.weights import load_model
-from real.train.draft_data import _atomic_save, build_teacher_data
+from real.train.draft_data import _atomic_save, build_teacher_data, map_in_threads
 from testbed.paths import repo_path
 
 
@@ -42,8 +42,6 @@ def target_features(target: Transformer, docs: list[list[int]], max_len: int,
     """(tokens int32 [L], features fp16 [L, dim]) per document (cut to ``max_len``), teacher-forced.
     ``threads`` > 1: documents in that many threads at once (the native kernels run without the
     GIL; each document's forward is the one it gets alone, so the features do not change)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     @torch.inference_mode()
     def one(ids: list[int]) -> tuple[Tensor, Tensor] | None:
         ids = ids[:max_len]
@@ -55,17 +53,11 @@ def target_features(target: Transformer, docs: list[list[int]], max_len: int,
     if threads <= 1 or len(docs) < 2:
         results = [one(ids) for ids in docs]
     else:
-        intra = torch.get_num_threads()
-        torch.set_num_threads(1)  # one core per document, not threads x intra-op threads
-        try:
-            results, i = [], 0
-            while i < len(docs) and (not results or results[-1] is None):
-                results.append(one(docs[i]))  # the first forward packs the weights the threads share
-                i += 1
-            with ThreadPoolExecutor(threads) as pool:
-                results += list(pool.map(one, docs[i:]))
-        finally:
-            torch.set_num_threads(intra)
+        results, i = [], 0
+        while i < len(docs) and (not results or results[-1] is None):
+            results.append(one(docs[i]))  # the first forward packs the weights the threads share
+            i += 1
+        results += map_in_threads(one, docs[i:], threads)
     return [r for r in results if r is not None]
 
 
