@@ -23,9 +23,9 @@ import torch
 from bench_verify import host_flags, load_avg
 from roofline_probes import DTYPES, PROBE_BUFFERS, gemm_peak, model_cost
 
-from kernels import native
 from real.model.batch import CacheRows, Feed, forward_batch
 from real.model.weights import load_model
+from specbed_kernels import native
 
 
 def batch_cost(model, batch: int, k: int, context: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]

@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import cpu, native, reference
+import specbed_kernels as kernels
 from real.model.decoder import Transformer
 from real.model.runners import prefill
 from real.model.weights import load_model
+from specbed_kernels import cpu, native, reference
 
 PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

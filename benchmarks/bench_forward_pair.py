@@ -1,4 +1,4 @@
-"""Whole k-token forwards of the bundled target with two builds of kernels/native.cpp, paired.
+"""Whole k-token forwards of the bundled target with two builds of specbed_kernels/native.cpp, paired.
 
     taskset -c 1 .venv/bin/python benchmarks/bench_forward_pair.py --base OLD_NATIVE_CPP
         [--dtypes fp32 bf16] [--ks 1 8 16] [--context 200] [--pairs 15]
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import native  # noqa: E402
 from real.model.weights import load_model  # noqa: E402
+from specbed_kernels import native  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

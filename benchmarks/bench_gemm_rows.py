@@ -1,5 +1,5 @@
 """The native GEMMs of a forward over T rows against the host's roofline, and against another
-build of kernels/native.cpp (paired, alternated call by call: the host drifts by 20-30 %).
+build of specbed_kernels/native.cpp (paired, alternated call by call: the host drifts by 20-30 %).
 
     .venv/bin/python benchmarks/bench_gemm_rows.py [--base OLD_NATIVE_CPP] [--rows 1 2 4 8 16 32 64]
         [--dtypes bf16 fp32] [--repeats 7] [--what layers head]
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import native
+from specbed_kernels import native
 
 DIM, FFN, QKV, LAYERS, VOCAB = 576, 1536, 960, 30, 49152
 CODES = {"fp32": (0, torch.float32), "bf16": (1, torch.bfloat16)}

@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/bench_hugepages.py [--dtypes fp32 bf16] [--ks 1 2 4 8 16]
         [--repeats 15] [--context 200] [--cpus 1]
 
-A k-token forward streams every packed weight panel once (kernels/native.py). With 4 KB pages
+A k-token forward streams every packed weight panel once (specbed_kernels/native.py). With 4 KB pages
 that stream needs a new TLB entry every 4 KB and the hardware prefetchers stop at each page
-boundary; ``kernels.native`` therefore carves panels out of arenas advised with MADV_HUGEPAGE.
+boundary; ``specbed_kernels.native`` therefore carves panels out of arenas advised with MADV_HUGEPAGE.
 This benchmark loads the bundled target twice, packs one copy with ``native.HUGE_PAGES`` off and
 one with it on, and alternates their forwards (the order flips every repeat), so both copies see
 the same moment of a shared, drifting machine: per k, the median time of each and the median of
@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from kernels import native
 from real.model.decoder import Transformer
 from real.model.weights import load_model
+from specbed_kernels import native
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

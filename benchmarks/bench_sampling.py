@@ -118,8 +118,8 @@ def main() -> None:
 def verify_share(ks: list[int], repeats: int) -> None:
     """Per K and sampling mode: ms of standardize over K rows + one draw, and its % of the
     K-token forward that produced them (both best of ``repeats``)."""
-    from kernels import preferred_dtype
     from real.model.weights import load_model
+    from specbed_kernels import preferred_dtype
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[preferred_dtype("cpu")]
     model, tok = load_model(None, dtype=dtype, max_seq=512)

@@ -5,7 +5,7 @@
 
 Two worker processes, each pinned to one core with one intra-op thread, joined by gloo. First
 the bare all-reduce of a hidden-sized vector (576 fp32) with each backend (gloo's
-``dist.all_reduce``; the shared-memory one of kernels/allreduce.py). Then, per model and per k
+``dist.all_reduce``; the shared-memory one of specbed_kernels/allreduce.py). Then, per model and per k
 (tokens per forward, after a ``--context``-token prefill), in every repeat and interleaved so
 that machine noise hits all of them alike: TP=1 (rank 0 alone on its core, rank 1 parked in a
 gloo barrier) and TP=2 with each backend (both ranks, one sharded model whose all-reduce is
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kernels.allreduce import GlooAllReduce, ShmAllReduce
 from real.model.tp import apply_tp
+from specbed_kernels.allreduce import GlooAllReduce, ShmAllReduce
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

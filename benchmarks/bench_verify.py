@@ -11,7 +11,7 @@ GEMM peak) -- the roofline -- and stays flat in k until the FLOPs catch up. This
 measures that roofline *in the same run* on the same core(s) and reports each forward's share
 of it:
 - read bandwidth: the best of torch's ``sum()`` over 512 MB and the native streaming read
-  (``kernels/native.cpp: sb_read_sum``), one core (TP 1) and both cores at once (TP 2);
+  (``specbed_kernels/native.cpp: sb_read_sum``), one core (TP 1) and both cores at once (TP 2);
 - GEMM peak per dtype: the best of a large ``torch.matmul`` in that dtype, in fp32, and the
   native FMA-throughput probe (``sb_fma_peak``) -- on a CPU without bf16 arithmetic the fp32
   FMA rate is the honest ceiling of bf16 math;
@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 from roofline_probes import DTYPES, PROBE_BUFFERS, gemm_peak, model_cost
 
-import kernels
-from kernels import cpu, native, reference
+import specbed_kernels as kernels
 from real.model.decoder import Transformer
 from real.model.weights import load_model
+from specbed_kernels import cpu, native, reference
 
 
 # ------------------------------------------------------------------------------ the forwards
@@ -59,7 +59,7 @@ def time_forward(model: Transformer, k: int, context: int, repeats: int) -> floa
 
 
 def eager_ops() -> None:
-    """The PyTorch/oneDNN ops of kernels/cpu.py, no native kernel (torch eager)."""
+    """The PyTorch/oneDNN ops of specbed_kernels/cpu.py, no native kernel (torch eager)."""
     kernels.reset()
     kernels.register("linear", cpu.linear if cpu.AVAILABLE else reference.linear)
     kernels.register("swiglu_fused", cpu.swiglu_fused if cpu.AVAILABLE else reference.swiglu_fused)

@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from kernels import native
 from real.model.decoder import Transformer
+from specbed_kernels import native
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -241,7 +241,7 @@ class Check:
             return
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               "tests/real/test_cuda_graphs.py", "tests/kernels/test_native_kernels.py"],
+                               "tests/real/test_cuda_graphs.py", "tests/specbed_kernels/test_native_kernels.py"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=max(30.0, self.left_s()))
         self.device_tests_result = (proc.stdout.strip().splitlines() or [""])[-1]
         if proc.returncode != 0:

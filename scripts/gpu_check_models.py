@@ -155,7 +155,7 @@ def machine_peaks(device: torch.device, *, tiny: bool) -> dict:
 def forward_times(model, *, context: int, ks: list[int], peaks: dict, repeats: int) -> list[dict]:
     """Per k: eager and (CUDA) graph-replayed time of a k-token forward at slot ``context``,
     with its roofline; the KV cache holds ``context`` slots."""
-    import kernels
+    import specbed_kernels as kernels
 
     device = model.device
     bytes_w = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -309,11 +309,11 @@ def workload_names() -> list[str]:
 
 def real_dtype(exp: ExperimentConfig) -> str:
     """The dtype a real run of ``exp`` uses: ``real.dtype``, with ``auto`` resolved for this host
-    (``kernels.preferred_dtype``; ``validate`` resolves it already for backend=real, a sweep's
+    (``specbed_kernels.preferred_dtype``; ``validate`` resolves it already for backend=real, a sweep's
     base experiment of another backend keeps ``auto``)."""
     if exp.real.dtype != "auto":
         return exp.real.dtype
-    from kernels import preferred_dtype
+    from specbed_kernels import preferred_dtype
 
     return preferred_dtype(exp.real.device)
 

@@ -40,7 +40,7 @@ def profile_path(exp: Any) -> Path:
 
 # the code a latency profile times: the kernels, the models' forwards and the speculative
 # algorithms run on their outputs (sampling, Algorithm 1, trees)
-TIMED_CODE = ("kernels", "real/model", "testbed/spec")
+TIMED_CODE = ("specbed_kernels", "real/model", "testbed/spec")
 
 
 @cache

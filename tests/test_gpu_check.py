@@ -24,7 +24,7 @@ GPU_IMAGE = {
     "filelock", "cloudpickle", "markdown-it-py", "scipy", "joblib", "packaging", "typing-extensions",
     "pytest", "hypothesis", "accelerate", "sentencepiece", "requests", "pillow", "protobuf",
 }
-PROJECT = {"testbed", "sim", "real", "kernels", "scripts", "hydra_plugins", "tests", "benchmarks"}
+PROJECT = {"testbed", "sim", "real", "specbed_kernels", "scripts", "hydra_plugins", "tests", "benchmarks"}
 
 
 def _norm(name: str) -> str:
@@ -39,7 +39,7 @@ def _wheel_list() -> set[str]:
 def _third_party_imports() -> set[str]:
     """Top-level modules the project's runtime code imports (not its tests or benchmarks)."""
     names: set[str] = set()
-    for pkg in ("testbed", "sim", "real", "kernels", "scripts", "hydra_plugins"):
+    for pkg in ("testbed", "sim", "real", "specbed_kernels", "scripts", "hydra_plugins"):
         for f in (REPO / pkg).rglob("*.py"):
             for node in ast.walk(ast.parse(f.read_text())):
                 if isinstance(node, ast.Import):

@@ -127,7 +127,7 @@ def test_no_code_compares_schedule_names_outside_the_declarations() -> None:
 def test_kernels_know_no_experiment() -> None:
     """The operators import nothing of the testbed or a backend."""
     offenders = []
-    for path in sorted((ROOT / "kernels").rglob("*.py")):
+    for path in sorted((ROOT / "specbed_kernels").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
@@ -136,7 +136,7 @@ def test_kernels_know_no_experiment() -> None:
     assert offenders == []
 
 
-PACKAGES = ("testbed", "sim", "real", "kernels", "hydra_plugins")
+PACKAGES = ("testbed", "sim", "real", "specbed_kernels", "hydra_plugins")
 
 
 def module_name(path: Path) -> str:
@@ -175,7 +175,7 @@ def import_graph() -> nx.DiGraph:
 def test_the_import_graph_sees_lazy_relative_and_submodule_imports() -> None:
     g = import_graph()
     assert g.has_edge("testbed.app.main", "testbed.app.sweeps")  # from testbed.app import sweeps
-    assert g.has_edge("kernels", "kernels.native") and not g.has_edge("kernels.native", "kernels")
+    assert g.has_edge("specbed_kernels", "specbed_kernels.native") and not g.has_edge("specbed_kernels.native", "specbed_kernels")
     assert g.has_edge("testbed.report", "testbed.report.sections")  # inside a function
 
 
@@ -191,3 +191,23 @@ def test_no_import_circles() -> None:
     that is how the testbed reaches what it must not import."""
     cycles = sorted(" -> ".join([*c, c[0]]) for c in nx.simple_cycles(import_graph()))
     assert cycles == [], "import circles:\n" + "\n".join(cycles)
+
+
+def test_the_packages_are_found_in_the_repository_from_any_directory(tmp_path: Path) -> None:
+    """Each top-level package of the project resolves to its folder here, also where the
+    repository is not the working directory: an installed distribution of the same name would
+    shadow it there (transformers' dependency ``kernels`` once did: the benchmarks and every
+    transformers test broke, which is why the operators are ``specbed_kernels``)."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, json; print(json.dumps({p: list(importlib.util.find_spec(p)"
+            f".submodule_search_locations) for p in {list(PACKAGES)!r}}}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         check=True).stdout
+    import json
+
+    # a regular package has one location; hydra_plugins is a namespace that others share
+    wrong = {p: locations for p, locations in json.loads(out).items()
+             if str(ROOT / p) not in locations or (p != "hydra_plugins" and len(locations) != 1)}
+    assert wrong == {}, f"shadowed by installed distributions: {wrong}"

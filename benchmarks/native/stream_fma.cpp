@@ -3,7 +3,7 @@
 //   g++ -O2 -march=native -o /tmp/stream_fma benchmarks/native/stream_fma.cpp && /tmp/stream_fma [CPU]
 //
 // A k-token forward reads each 64-byte weight step once and does 2k FMAs on it (k tokens x two
-// 8-float vectors, kernels/native.cpp's AVX2 tile). Its roofline, max(bytes / read bandwidth,
+// 8-float vectors, specbed_kernels/native.cpp's AVX2 tile). Its roofline, max(bytes / read bandwidth,
 // FLOPs / FMA peak), assumes both run at full rate at the same time. This loop is the ideal such
 // forward: it streams 256 MB with 256-bit loads and feeds each pair of vectors F register-only
 // FMAs (F = 2k), with and without a software prefetch 4 KB ahead; beside it the same FMAs on an

@@ -141,8 +141,8 @@ def _round_trips(rank: int, sizes: list[int], repeats: int) -> dict[str, list]:
 def tp_worker(ctx: Any, models: dict[str, str | None], grid_d: dict[str, Any]) -> dict[str, Any] | None:
     """One rank of the measurement (module level: spawned workers import it). ``models``: name ->
     weights path (None = the bundled GGUF). Returns the raw medians on rank 0, None elsewhere."""
-    from kernels.allreduce import make
     from real.model.tp import apply_tp
+    from specbed_kernels.allreduce import make
 
     grid = TpGrid(**grid_d)
     exp = ctx.exp

@@ -5,11 +5,11 @@ forward takes one ``Feed`` per request (its tokens, the slot of the first, optio
 and returns each request's logits. The rows of all requests go through every weight matrix
 together (the weights are read once per forward, as in a k-token verification); attention stays
 per request, over its own cache row and length. On the CPU the whole run of layers is one native
-call (``kernels.native.batch_layers``, groups of up to ``MAX_TOKENS`` rows); elsewhere, and as
+call (``specbed_kernels.native.batch_layers``, groups of up to ``MAX_TOKENS`` rows); elsewhere, and as
 the tests' oracle, the same computation op by op (``reference_layers``).
 
 Batch invariance: the native kernels compute each row the same way whatever else shares the
-call (kernels/native.cpp), so a request's logits in a batch equal its logits served alone, bit
+call (specbed_kernels/native.cpp), so a request's logits in a batch equal its logits served alone, bit
 for bit, and greedy decoding under load reproduces batch-1 `ar` token for token.
 
 Row 0 of the cache is the prefill row: a prompt is prefilled there with the model's own batch-1
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import kernels
-from kernels import native
+import specbed_kernels as kernels
 from real.model.decoder import Transformer
 from real.model.runners import prefill
+from specbed_kernels import native
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def copy_prefix(model: Transformer, row: int, n: int) -> None:
 @torch.inference_mode()
 def forward_batch(model: Transformer, feeds: list[Feed], *, layers: int | None = None) -> list[Tensor]:
     """fp32 logits ``[T_i, V]`` of every feed (on the host), the rows of all feeds in one forward
-    per group of at most ``kernels.native.MAX_TOKENS`` rows. ``layers``: only the first that many
+    per group of at most ``specbed_kernels.native.MAX_TOKENS`` rows. ``layers``: only the first that many
     layers, then the final norm and LM head (the early-exit draft, which writes the same K/V as
     the full model in those layers of the request's row). On a GPU chains replay CUDA graphs
     (real/model/batch_graphs.py)."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-import kernels
+import specbed_kernels as kernels
 from real.model.cuda_graphs import MAX_TOKENS
 
 if TYPE_CHECKING:

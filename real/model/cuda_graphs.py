@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-import kernels
+import specbed_kernels as kernels
 
 MAX_TOKENS = 16
 CHAIN, TREE = "chain", "tree"

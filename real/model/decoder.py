@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-import kernels
-from kernels.reference import rope_tables
+import specbed_kernels as kernels
+from specbed_kernels.reference import rope_tables
 
 if TYPE_CHECKING:
     from testbed.config import ModelConfig

@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-import kernels
+import specbed_kernels as kernels
 from real.errors import RealSetupError
 from real.model.batch import CacheRows, Feed, layers_rows
 from real.model.decoder import ModelArgs, Transformer

@@ -13,9 +13,9 @@ unevenly where they do not divide: SmolLM2-135M (9 query / 3 KV heads) at TP=2 p
 (6 query heads) on rank 0 and 1 group (3) on rank 1. The FFN is split as evenly as possible.
 Each rank's KV cache holds only its own KV heads.
 
-The all-reduce is pluggable (``kernels.allreduce``): "gloo" (``dist.all_reduce`` on the group)
+The all-reduce is pluggable (``specbed_kernels.allreduce``): "gloo" (``dist.all_reduce`` on the group)
 or "shm" (same-host shared memory, much lower latency on CPU). The op-by-op path sums in module
-forward hooks; the fused native decode path (``kernels.native.decode_layers``) calls the
+forward hooks; the fused native decode path (``specbed_kernels.native.decode_layers``) calls the
 backend's native function between its layers (``model.tp_allreduce``).
 """
 
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kernels.allreduce import AllReduce, make
 from real.model.decoder import ModelArgs, Transformer
+from specbed_kernels.allreduce import AllReduce, make
 
 
 def even_split(total: int, parts: int) -> list[int]:

@@ -34,7 +34,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-from kernels import reference_kernels
 from real.errors import USER_ERRORS, RealSetupError
 from real.model.decoder import ModelArgs, Transformer
 from real.model.weights import to_model_state
@@ -45,6 +44,7 @@ from real.train.draft_data import (  # noqa: E402  (phase 1: the teacher data)
     pack,
 )
 from real.train.eagle import train as train_eagle
+from specbed_kernels import reference_kernels
 from testbed.paths import ROOT, repo_path
 
 

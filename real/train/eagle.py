@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-import kernels
+import specbed_kernels as kernels
 from real.model.decoder import Transformer
 from real.model.eagle import EagleHead, save_head
 from real.model.weights import load_model

@@ -110,7 +110,7 @@ def _native_features(logits: torch.Tensor, token: int) -> list[float] | None:
     ops are fast enough there, and a simulation need not load the kernel library)."""
     if logits.numel() < NATIVE_MIN_VOCAB:
         return None
-    from kernels import native
+    from specbed_kernels import native
 
     return native.token_features(logits, token, TOP_K)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import native
+from specbed_kernels import native
 
 
 def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,7 +81,7 @@ def nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
     renormalised.
 
     Why not sort: sorting 49k logits costs ~5 ms per distribution on one core, 50x a softmax,
-    and only where the nucleus ends matters. The native kernel (``kernels.native.top_p_``) finds
+    and only where the nucleus ends matters. The native kernel (``specbed_kernels.native.top_p_``) finds
     that boundary by a radix select over the probabilities' float bits, two histograms of mass
     and a sort of the few tokens left (~0.1 ms a row whatever the nucleus's size: a
     verification's γ + 1 rows at T = 1, top-p 0.95 went from 12-26 % to 2-4 % of its forward,

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native
 from real.model.batch import CacheRows, Feed, forward_batch
 from real.model.decoder import ModelArgs
 from real.model.drafts import EarlyExitDraft, ModelDraft, NgramDraft
@@ -20,6 +19,7 @@ from real.runtime.batching import serve_batched
 from real.runtime.context import RealContext, RealRequest
 from real.schedules.ar import serve_ar
 from real.schedules.sync import serve_sync
+from specbed_kernels import native
 from testbed.config import ConfigError
 from testbed.recorder import RunRecorder
 from testbed.spec.lookahead import FEATURES

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import preferred_dtype
+from specbed_kernels import preferred_dtype
 from tests.conftest import compose_exp
 
 pytest.importorskip("gguf")

@@ -253,7 +253,7 @@ def test_a_head_for_another_target_and_a_corrupt_head_are_refused(tmp_path) -> N
 def test_a_draft_vocabulary_computes_only_its_rows_of_the_lm_head() -> None:
     """Restricted to a few tokens, the head's logits are the full head's on those tokens (the same
     sums) and -inf elsewhere."""
-    from kernels import native
+    from specbed_kernels import native
 
     target = tiny(0)
     head = EagleHead(target.args).init_random(2)

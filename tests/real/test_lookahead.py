@@ -286,7 +286,7 @@ def test_draft_token_features_equal_the_softmax_definitions(vocab: int, path: st
     from testbed.spec.lookahead import ENTROPY, TOP_K, draft_token_features
 
     if path == "native":
-        from kernels import native
+        from specbed_kernels import native
 
         if native._LIB is None:
             pytest.skip("no native kernel library (no compiler, or SPECBED_NATIVE=0)")

@@ -1,4 +1,4 @@
-"""Tensor parallelism (real/model/tp.py, kernels/allreduce.py): TP=2 in two spawned processes gives the
+"""Tensor parallelism (real/model/tp.py, specbed_kernels/allreduce.py): TP=2 in two spawned processes gives the
 logits of TP=1, for every all-reduce backend and through both the op-by-op and the fused native
 paths; the uneven head split; shared-memory all-reduce timeouts name the missing peer."""
 
@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import kernels
-from kernels import native
+import specbed_kernels as kernels
 from real.model.decoder import ModelArgs, Transformer
 from real.model.tp import even_split, plan_shards
+from specbed_kernels import native
 
 # 9 query heads / 3 KV heads: at TP=2 rank 0 holds 2 KV groups, rank 1 one; FFN 100 -> 50 + 50
 TINY_TP = ModelArgs(dim=72, n_layers=3, n_heads=9, n_kv_heads=3, ffn_dim=100, vocab_size=97,
@@ -181,7 +181,7 @@ def test_uneven_head_split() -> None:
 
 
 def _shm_peer_missing(rank: int, world: int, out: Path) -> None:
-    from kernels.allreduce import ShmAllReduce
+    from specbed_kernels.allreduce import ShmAllReduce
 
     ar = ShmAllReduce(timeout_s=1.0)
     if rank == 0:  # rank 0 removes the file once all have mapped it: nothing left even on a crash

@@ -303,7 +303,7 @@ def test_a_profile_measured_with_other_kernels_or_algorithms_is_stale_and_warns_
     prof["code"] = "0" * 16
     path.write_text(json.dumps(prof))
     current, why = profile_is_current(path, exp)
-    assert not current and "other code" in why and "kernels" in why
+    assert not current and "other code" in why and "specbed_kernels" in why
     sim_exp = compose_exp("pair=smollm2_135m+smollm2_draft", "hardware=local", "sim.cost_model=profile")
     with caplog.at_level(logging.WARNING, logger="sim.cost.profile"):
         for _ in range(2):

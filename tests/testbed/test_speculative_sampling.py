@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import testbed.spec.speculative as speculative
-from kernels import native
+from specbed_kernels import native
 from testbed.spec.sampling import SamplingParams, sample, standardize
 from testbed.spec.speculative import speculative_step
 from tests.helpers.spec_oracle import TokenOracle, single_thread, tv_distance

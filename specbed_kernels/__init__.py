@@ -1,19 +1,19 @@
 """Latency-critical operators, dispatched by name so a faster kernel can replace a reference op.
 
-The model calls ``kernels.attention(...)``, ``kernels.rms_norm(...)`` etc. as module attributes,
-looked up at call time, so ``kernels.register("attention", my_triton_attention)`` takes effect
+The model calls ``specbed_kernels.attention(...)``, ``specbed_kernels.rms_norm(...)`` etc. as module attributes,
+looked up at call time, so ``specbed_kernels.register("attention", my_triton_attention)`` takes effect
 everywhere at once. A replacement must accept the reference's arguments and layouts.
 
-Defaults: the PyTorch references of ``kernels/reference.py``, except on CPU (``kernels/cpu.py``):
+Defaults: the PyTorch references of ``specbed_kernels/reference.py``, except on CPU (``specbed_kernels/cpu.py``):
 the GEMM ops (linear, swiglu) use oneDNN where available (~2x faster batch-1 decode than
 MKL's GEMV) and attention over few queries is two explicit matmuls (faster than SDPA there).
-Where the native kernels build (``kernels/native.py``: a C++ compiler; x86 AVX-512 or AVX2+FMA,
+Where the native kernels build (``specbed_kernels/native.py``: a C++ compiler; x86 AVX-512 or AVX2+FMA,
 or any CPU with a slower generic path), GEMVs over <= 8 tokens stream weights with a
 hand-written kernel and ``decode_layers`` runs a whole run of decoder layers in one call (decode
 and short verifications at batch 1); everything else keeps the ops above.
 ``reset()`` restores these defaults, ``use_reference()`` the plain references everywhere.
-Tensor parallelism (real/model/tp.py) sums partial outputs with a backend of ``kernels.allreduce``
-(gloo, or the same-host shared-memory one of ``kernels/shm_allreduce.cpp``); ``decode_layers``
+Tensor parallelism (real/model/tp.py) sums partial outputs with a backend of ``specbed_kernels.allreduce``
+(gloo, or the same-host shared-memory one of ``specbed_kernels/shm_allreduce.cpp``); ``decode_layers``
 calls it between the layers it fuses, or steps aside when it cannot.
 """
 
@@ -28,7 +28,7 @@ from contextlib import contextmanager
 # long); testbed sets it too, for processes that never import the operators
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from kernels import cpu, native, reference  # noqa: E402  (after the allocator setting)
+from specbed_kernels import cpu, native, reference  # noqa: E402  (after the allocator setting)
 
 OPS: tuple[str, ...] = (
     "linear",

@@ -1,4 +1,4 @@
-"""kernels.native (kernels/native.cpp): the packed GEMM and SwiGLU kernels against F.linear for
+"""specbed_kernels.native (specbed_kernels/native.cpp): the packed GEMM and SwiGLU kernels against F.linear for
 every token count of a verification (1-16) and prefill lengths, odd sizes (not multiples of the
 vector width), and the fused decoder layers against the op-by-op reference path of real.model.decoder,
 including masks (trees), separate RoPE positions, a bf16 KV cache, layer ranges and weights
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import native
+import specbed_kernels as kernels
 from real.model.decoder import ModelArgs, Transformer
+from specbed_kernels import native
 
 pytestmark = [pytest.mark.skipif(not native.AVAILABLE, reason="native kernels not built (no C++ compiler?)"),
               pytest.mark.torch_threads]  # torch's default threads: the kernels' multi-threaded split

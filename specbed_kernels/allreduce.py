@@ -2,7 +2,7 @@
 
 Both sum a tensor over the ranks of a process group in place. A backend is also callable from
 native code: ``native()`` gives the address of a C function ``int fn(float* buf, long n, void*
-ctx)`` and its ``ctx``, which ``kernels.native.decode_layers`` calls between the layers it fuses
+ctx)`` and its ``ctx``, which ``specbed_kernels.native.decode_layers`` calls between the layers it fuses
 (after each output and down projection); a non-zero return aborts that call and ``error(rc)``
 says why.
 
@@ -10,7 +10,7 @@ says why.
   for CUDA ones). Its native function is a ctypes callback into Python. Waits are bounded by the
   process group's timeout.
 - ``ShmAllReduce``: the ranks of one host share a buffer in /dev/shm; each writes its partial sum
-  to its slot and publishes a sequence number, then polls the peers' (kernels/shm_allreduce.cpp:
+  to its slot and publishes a sequence number, then polls the peers' (specbed_kernels/shm_allreduce.cpp:
   flag + data, no barrier, double-buffered; after ``spin_us`` of polling a wait sleeps on a
   futex, which the late peer's publication wakes). Every wait has a timeout and names the peer that did
   not arrive. fp32 sums; other dtypes are summed in fp32 and rounded back.
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kernels import native
+from specbed_kernels import native
 
 SHM_SOURCE = Path(__file__).with_name("shm_allreduce.cpp")
 
@@ -107,7 +107,7 @@ def _shm_lib() -> ctypes.CDLL:
         path = native.build(SHM_SOURCE)
         if path is None:
             raise RuntimeError("the shared-memory all-reduce needs a C++ compiler (g++) to build "
-                               "kernels/shm_allreduce.cpp; use the gloo all-reduce instead")
+                               "specbed_kernels/shm_allreduce.cpp; use the gloo all-reduce instead")
         lib = ctypes.CDLL(str(path))
         lib.sb_ar_bytes.argtypes = [ctypes.c_long, ctypes.c_long]
         lib.sb_ar_bytes.restype = ctypes.c_long

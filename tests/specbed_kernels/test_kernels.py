@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import cpu, reference
+import specbed_kernels as kernels
+from specbed_kernels import cpu, reference
 
 
 def gen(seed: int) -> torch.Generator:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import reference
+from specbed_kernels import reference
 
 _OP = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 

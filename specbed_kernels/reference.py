@@ -1,7 +1,7 @@
 """PyTorch reference implementations of the model's latency-critical ops.
 
 Every op here is the definition a faster kernel (Triton, a fused CPU kernel) must match; the
-model calls them through ``kernels`` (see ``kernels/__init__.py``) so a replacement can be
+model calls them through ``kernels`` (see ``specbed_kernels/__init__.py``) so a replacement can be
 registered without touching the model.
 
 Layouts:
@@ -106,6 +106,6 @@ def decode_layers(model, lo: int, hi: int, h: Tensor, *, cos: Tensor, sin: Tenso
                   mask: Tensor | None, kv_len: int) -> Tensor | None:
     """A fused kernel for a run of decoder layers, or None: the model then runs its layers op by
     op through the ops above, which *are* the reference definition (``real.model.decoder``).
-    A replacement (``kernels.native.decode_layers``) returns the layers' output hidden states,
+    A replacement (``specbed_kernels.native.decode_layers``) returns the layers' output hidden states,
     or None for any case it does not cover."""
     return None

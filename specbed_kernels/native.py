@@ -1,4 +1,4 @@
-"""Native CPU kernels (kernels/native.cpp), compiled on first use, called via ctypes.
+"""Native CPU kernels (specbed_kernels/native.cpp), compiled on first use, called via ctypes.
 
 Why: a decode step or a speculative verification multiplies 1-16 token rows by every weight
 matrix, so its time is the weights' bytes over the memory bandwidth until the FLOPs catch up
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kernels import cpu
+from specbed_kernels import cpu
 
 SOURCE = Path(__file__).with_name("native.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -95,12 +95,12 @@ def build(source: Path = SOURCE) -> Path | None:
             proc = subprocess.run([cxx, *FLAGS, str(source), "-o", str(out)],
                                   capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:
-                warnings.warn(f"kernels.native: build failed, using oneDNN:\n{proc.stderr[-2000:]}",
+                warnings.warn(f"specbed_kernels.native: build failed, using oneDNN:\n{proc.stderr[-2000:]}",
                               stacklevel=2)
                 return None
             os.replace(out, lib)  # atomic: concurrent builders never see half a library
     except (OSError, subprocess.SubprocessError) as exc:
-        warnings.warn(f"kernels.native: build failed ({exc}), using oneDNN", stacklevel=2)
+        warnings.warn(f"specbed_kernels.native: build failed ({exc}), using oneDNN", stacklevel=2)
         return None
     return lib
 
@@ -279,7 +279,7 @@ def top_p_(probs: Tensor, top_p: float) -> bool:
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight.T; the native kernel where it applies, else ``kernels.cpu.linear``."""
+    """x @ weight.T; the native kernel where it applies, else ``specbed_kernels.cpu.linear``."""
     return linear_add(x, weight, None)
 
 
@@ -487,7 +487,7 @@ def _probe() -> bool:
         gate, up = (x @ w.T).chunk(2, dim=-1)
         ok = ok and torch.allclose(swiglu_fused(x, w), torch.nn.functional.silu(gate) * up, atol=1e-4, rtol=1e-4)
         if not ok:
-            warnings.warn(f"kernels.native: results disagree with F.linear ({t} tokens); not used", stacklevel=2)
+            warnings.warn(f"specbed_kernels.native: results disagree with F.linear ({t} tokens); not used", stacklevel=2)
             return False
     _PACKED.clear()
     return True

@@ -12,7 +12,7 @@ import pytest
 from testbed.paths import repo_path
 
 
-@pytest.mark.parametrize("package", ["testbed", "real", "kernels"])
+@pytest.mark.parametrize("package", ["testbed", "real", "specbed_kernels"])
 def test_entry_packages_ask_for_huge_pages_unless_the_user_said_otherwise(package: str) -> None:
     code = (f"import {package}, os, sys; print(os.environ.get('THP_MEM_ALLOC_ENABLE')); "
             "print('torch' in sys.modules)")

@@ -1,5 +1,5 @@
 // Same-host all-reduce (fp32 sum) through shared memory: flag + data, polled, no barrier
-// (built by kernels/native.py's machinery, used by kernels/allreduce.py: ShmAllReduce).
+// (built by specbed_kernels/native.py's machinery, used by specbed_kernels/allreduce.py: ShmAllReduce).
 //
 // Why: a tensor-parallel forward of SmolLM2-135M does 60 all-reduces of a few KB; gloo's
 // TCP round trip (tens of microseconds, plus wake-ups) costs more than the layers it splits.
@@ -39,7 +39,7 @@ namespace {
 
 constexpr long kHeader = 64;
 
-struct Context {  // kernels/allreduce.py: _ShmContext
+struct Context {  // specbed_kernels/allreduce.py: _ShmContext
     char* base;        // the mapped buffer (sb_ar_bytes(world, capacity) bytes, zeroed)
     long rank, world;
     long capacity;     // floats per slot

@@ -1,4 +1,4 @@
-// Weight-streaming GEMM kernels for speculative decoding on CPU (built by kernels/native.py).
+// Weight-streaming GEMM kernels for speculative decoding on CPU (built by specbed_kernels/native.py).
 //
 // A decode step or a verification multiplies T = 1..16 token rows by every weight matrix: the
 // time is the weights' bytes over the memory bandwidth until the FLOPs (2 per weight per token)
@@ -10,7 +10,7 @@
 //     each broadcast activation 2 times, with no horizontal sums (BLIS's outer-product
 //     micro-kernel, with the weights as its packed B operand).
 //
-// Packed weights (sb_pack; kernels/native.py keeps one packed copy per weight tensor): W [N, K]
+// Packed weights (sb_pack; specbed_kernels/native.py keeps one packed copy per weight tensor): W [N, K]
 // (PyTorch's [out, in]) in panels of NR = 2 vectors of output features, each panel [K][NR],
 // zero-padded to a whole panel. bf16 panels are stored so that one load widens into the panel's
 // two fp32 vectors without shuffles: 32-bit lane i holds features i (low half) and VL + i (high
@@ -510,7 +510,7 @@ void gemm(const A* x, long xs, long T, const W* wpk, long N, long K, Epilogue ep
 // inputs and the QKV projection are rounded to the weights' dtype (as the op-by-op path does);
 // K/V are stored in the cache's dtype and read back from it.
 
-struct LayerPtrs {  // kernels/native.py: _LayerPtrs (weights packed by sb_pack; w13 paired)
+struct LayerPtrs {  // specbed_kernels/native.py: _LayerPtrs (weights packed by sb_pack; w13 paired)
     const void* attn_norm;
     const void* wqkv;
     const void* wo;
@@ -521,7 +521,7 @@ struct LayerPtrs {  // kernels/native.py: _LayerPtrs (weights packed by sb_pack;
     void* v_cache;
 };
 
-struct LayerDims {  // kernels/native.py: _LayerDims
+struct LayerDims {  // specbed_kernels/native.py: _LayerDims
     long dim, n_heads, n_kv_heads, head_dim, ffn_dim, max_seq;
     int dtype;        // weights, activations, RoPE tables: 0 fp32, 1 bf16
     int cache_dtype;  // 0 fp32, 1 bf16
