@@ -128,14 +128,30 @@ constexpr int NR = 2 * VL;      // output features per panel
 #define SB_CHUNK 64
 #endif
 #ifndef SB_PREFETCH
+#if defined(SB_AVX512)  // paired whole forwards, Zen 4: 4 KB 0.93-0.99x the time of 2 KB at k = 4-8
+#define SB_PREFETCH 4096
+#else  // AVX2 (Zen 3): 2 KB as fast as 4 KB or faster (docs/kernels.md)
 #define SB_PREFETCH 2048
+#endif
 #endif
 constexpr long kChunk = SB_CHUNK;        // K steps per chunk (a chunk of a panel: 8 KB fp32 on AVX2)
 constexpr long kPrefetch = SB_PREFETCH;  // bytes of panel prefetched ahead of the loads
 #ifndef SB_PREFETCH_FAR
+#if defined(SB_AVX512)
+#define SB_PREFETCH_FAR 32768
+#else
 #define SB_PREFETCH_FAR 0
 #endif
-constexpr long kPrefetchFar = SB_PREFETCH_FAR;  // and into L2 this far ahead (0: not)
+#endif
+// Tiles of >= kFarMinRows rows (near the compute bound) also prefetch into L2 this far ahead (0:
+// not): their loop issues the near prefetches at the FMAs' pace, too late to keep the stream
+// going (paired whole forwards, Zen 4: 0.74-0.91x the time at k = 8; for 1-4 rows, memory bound,
+// the extra prefetches cost 6-15 %, hence the threshold)
+constexpr long kPrefetchFar = SB_PREFETCH_FAR;
+#ifndef SB_FAR_MIN_ROWS
+#define SB_FAR_MIN_ROWS 6
+#endif
+constexpr int kFarMinRows = SB_FAR_MIN_ROWS;
 #ifndef SB_PF_CHUNKS
 #define SB_PF_CHUNKS 1
 #endif
@@ -303,9 +319,17 @@ inline void tile_steps(const W* panel, const float* xp, long k0, long k1, float*
         c[m][0] = first ? vzero() : vload(acc + m * NR);
         c[m][1] = first ? vzero() : vload(acc + m * NR + VL);
     }
+    // a step of an AVX-512 fp32 panel is two cache lines: prefetching one per step left every
+    // other line to the hardware prefetcher (a one-token forward at ~60 % of the read roofline)
+    const bool two_lines = pf_step >= 128;
     for (long k = k0; k < k1; ++k) {
         const W* wk = panel + k * NR;
         _mm_prefetch(pf + (k - k0) * pf_step, _MM_HINT_T0);
+        if (two_lines) _mm_prefetch(pf + (k - k0) * pf_step + 64, _MM_HINT_T0);
+        if constexpr (kPrefetchFar > 0 && MR >= kFarMinRows) {
+            _mm_prefetch(pf + (k - k0) * pf_step + kPrefetchFar, _MM_HINT_T1);
+            if (two_lines) _mm_prefetch(pf + (k - k0) * pf_step + kPrefetchFar + 64, _MM_HINT_T1);
+        }
         vf w0, w1;
         load_step(wk, w0, w1);
         SB_IN_REGISTER(w0);
@@ -326,16 +350,27 @@ inline void tile_steps(const W* panel, const float* xp, long k0, long k1, float*
 // bf16 with AVX512-BF16: per K pair, vdpbf16ps multiplies 16 features x 2 k exactly and adds
 // both products to the fp32 lanes; xp holds the block's bf16 pairs [K/2][MR] (as 32-bit words).
 template <int MR>
-inline void tile_pairs(const uint16_t* panel, const float* xp_, long k0, long k1, float* acc, bool first) {
+inline void tile_pairs(const uint16_t* panel, const float* xp_, long k0, long k1, float* acc, bool first,
+                       const char* pf, long pf_step) {
     const uint32_t* xp = reinterpret_cast<const uint32_t*>(xp_);
     vf c[MR][2];
     for (int m = 0; m < MR; ++m) {
         c[m][0] = first ? vzero() : vload(acc + m * NR);
         c[m][1] = first ? vzero() : vload(acc + m * NR + VL);
     }
+    // a pair step is two K steps (two cache lines): the same prefetch plan as tile_steps',
+    // every line of the panel requested (one line per pair left half to the hardware prefetcher)
+    const long pair_step = 2 * pf_step;
+    const bool two_lines = pair_step >= 128;
     for (long j = k0 / 2; j < (k1 + 1) / 2; ++j) {  // chunk bounds are even
         const uint16_t* wk = panel + j * 2 * NR;
-        _mm_prefetch(reinterpret_cast<const char*>(wk) + 2 * kPrefetch, _MM_HINT_T0);
+        const char* pj = pf + (j - k0 / 2) * pair_step;
+        _mm_prefetch(pj, _MM_HINT_T0);
+        if (two_lines) _mm_prefetch(pj + 64, _MM_HINT_T0);
+        if constexpr (kPrefetchFar > 0 && MR >= kFarMinRows) {
+            _mm_prefetch(pj + kPrefetchFar, _MM_HINT_T1);
+            if (two_lines) _mm_prefetch(pj + kPrefetchFar + 64, _MM_HINT_T1);
+        }
         __m512i w0i = _mm512_loadu_si512(wk), w1i = _mm512_loadu_si512(wk + 2 * VL);
         SB_IN_REGISTER(w0i);
         SB_IN_REGISTER(w1i);
@@ -359,7 +394,7 @@ inline void tile(int mr, const W* panel, const float* xp, long k0, long k1, floa
 #if defined(SB_BF16DOT)
 #define SB_TILE(M)                                                                                   \
     case M:                                                                                          \
-        if constexpr (sizeof(W) == 2) tile_pairs<M>(reinterpret_cast<const uint16_t*>(panel), xp, k0, k1, acc, first); \
+        if constexpr (sizeof(W) == 2) tile_pairs<M>(reinterpret_cast<const uint16_t*>(panel), xp, k0, k1, acc, first, pf, pf_step); \
         else tile_steps<M, W>(panel, xp, k0, k1, acc, first, pf, pf_step);                           \
         break;
 #else
@@ -587,14 +622,15 @@ inline void rope_head(float* x, const float* cos, const float* sin, long d) {
     for (long i = 0; i < d; ++i) x[i] = tmp[i] * cos[i] + tmp[(i + half) % d] * sin[i];
 }
 
-#if defined(SB_AVX2)
+#if defined(SB_AVX2) || defined(SB_AVX512)
 inline __m256i first_lanes(long n) {  // lanes [0, n) set (all for n >= 8)
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// 8 keys (rows of k, d a multiple of 8) transposed into kt [d][8] fp32, 8 x 8 at a time
+// 8 keys (rows of k, d a multiple of 8) transposed into kt [d][ld] fp32 (columns 0-7 of each
+// row; ld = 8 on AVX2, 16 on AVX-512: two calls fill a row of 16 keys), 8 x 8 at a time
 template <typename C>
-inline void transpose_keys(const C* k, long d, float* kt) {
+inline void transpose_keys(const C* k, long d, float* kt, long ld = 8) {
     for (long i0 = 0; i0 < d; i0 += 8) {
         __m256 r[8];
         for (int j = 0; j < 8; ++j) {
@@ -613,15 +649,15 @@ inline void transpose_keys(const C* k, long d, float* kt) {
         const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
         const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
         const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
-        float* o = kt + i0 * 8;
-        _mm256_store_ps(o + 0 * 8, _mm256_permute2f128_ps(u0, u4, 0x20));
-        _mm256_store_ps(o + 1 * 8, _mm256_permute2f128_ps(u1, u5, 0x20));
-        _mm256_store_ps(o + 2 * 8, _mm256_permute2f128_ps(u2, u6, 0x20));
-        _mm256_store_ps(o + 3 * 8, _mm256_permute2f128_ps(u3, u7, 0x20));
-        _mm256_store_ps(o + 4 * 8, _mm256_permute2f128_ps(u0, u4, 0x31));
-        _mm256_store_ps(o + 5 * 8, _mm256_permute2f128_ps(u1, u5, 0x31));
-        _mm256_store_ps(o + 6 * 8, _mm256_permute2f128_ps(u2, u6, 0x31));
-        _mm256_store_ps(o + 7 * 8, _mm256_permute2f128_ps(u3, u7, 0x31));
+        float* o = kt + i0 * ld;
+        _mm256_store_ps(o + 0 * ld, _mm256_permute2f128_ps(u0, u4, 0x20));
+        _mm256_store_ps(o + 1 * ld, _mm256_permute2f128_ps(u1, u5, 0x20));
+        _mm256_store_ps(o + 2 * ld, _mm256_permute2f128_ps(u2, u6, 0x20));
+        _mm256_store_ps(o + 3 * ld, _mm256_permute2f128_ps(u3, u7, 0x20));
+        _mm256_store_ps(o + 4 * ld, _mm256_permute2f128_ps(u0, u4, 0x31));
+        _mm256_store_ps(o + 5 * ld, _mm256_permute2f128_ps(u1, u5, 0x31));
+        _mm256_store_ps(o + 6 * ld, _mm256_permute2f128_ps(u2, u6, 0x31));
+        _mm256_store_ps(o + 7 * ld, _mm256_permute2f128_ps(u3, u7, 0x31));
     }
 }
 #endif
@@ -687,6 +723,80 @@ inline void key_block_scores(const float* q, const float* kt, long d, long qkv, 
 }
 #endif
 
+#if defined(SB_AVX512)
+// AVX-512: scores of rows [row0, row0 + R) against G blocks of 16 keys transposed in kt [G][d][16],
+// R x G chains in flight (one alone waits out the FMA latency at every step); each score is the
+// single FMA chain over i that every block of this path computes, so a score does not depend on
+// how many rows or keys share the call. m: the keys of the last block that exist.
+template <int R, int G>
+inline void key_blocks16(const float* q, const float* kt, long d, long qkv, long T, long h0, long row0,
+                         float scale, __mmask16 m, float* p, long S) {
+    const float* qr[R];
+    __m512 acc[R][G];
+    for (int r = 0; r < R; ++r) {
+        const long row = row0 + r;
+        qr[r] = q + (row % T) * qkv + (h0 + row / T) * d;
+        for (int b = 0; b < G; ++b) acc[r][b] = _mm512_setzero_ps();
+    }
+    for (long i = 0; i < d; ++i) {
+        __m512 k[G];
+        for (int b = 0; b < G; ++b) k[b] = _mm512_load_ps(kt + (b * d + i) * 16);
+        for (int r = 0; r < R; ++r) {
+            const __m512 x = _mm512_set1_ps(qr[r][i]);
+            for (int b = 0; b < G; ++b) acc[r][b] = _mm512_fmadd_ps(x, k[b], acc[r][b]);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int r = 0; r < R; ++r)
+        for (int b = 0; b < G; ++b)
+            _mm512_mask_storeu_ps(p + (row0 + r) * S + 16 * b, b == G - 1 ? m : __mmask16(0xffff),
+                                  _mm512_mul_ps(acc[r][b], sc));
+}
+
+// 16 keys from row s0 of kh (nb of them exist) into kt [d][16] fp32, missing keys as zeros
+template <typename C>
+inline void keys16(const C* kh, long d, long nb, float* kt) {
+    if (nb == 16 && d % 8 == 0) {
+        transpose_keys(kh, d, kt, 16);
+        transpose_keys(kh + 8 * d, d, kt + 8, 16);
+        return;
+    }
+    for (long j = 0; j < 16; ++j)
+        for (long i = 0; i < d; ++i) kt[i * 16 + j] = j < nb ? load_act(kh + j * d, i) : 0.f;
+}
+
+// out rows [row0, row0 + R) (row = r T + t: query head h0 + r of token t) = their probabilities
+// p [rows][S] times V [S][D], D a multiple of 16 (<= 128): each V row loaded and widened once for
+// the R rows; every output one FMA chain over s, the same whatever R
+template <typename C, int R, int D>
+inline void weigh_values16(const float* p, const C* vh, long S, long row0, long T, long hq, long h0, float* out) {
+    constexpr int NV = D / 16;
+    __m512 o[R][NV];
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NV; ++j) o[r][j] = _mm512_setzero_ps();
+    for (long s = 0; s < S; ++s) {
+        __m512 v[NV];
+        for (int j = 0; j < NV; ++j) {
+            if constexpr (sizeof(C) == 2) {
+                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vh + s * D + 16 * j));
+                v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+            } else {
+                v[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(vh) + s * D + 16 * j);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512 ps = _mm512_set1_ps(p[(row0 + r) * S + s]);
+            for (int j = 0; j < NV; ++j) o[r][j] = _mm512_fmadd_ps(ps, v[j], o[r][j]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const long row = row0 + r;
+        float* dst = out + (row % T) * hq * D + (h0 + row / T) * D;
+        for (int j = 0; j < NV; ++j) _mm512_storeu_ps(dst + 16 * j, o[r][j]);
+    }
+}
+#endif
+
 // Sum of p[0, n) front to back, one chain: exact zeros (keys this row may not see) change nothing,
 // so a row's softmax normalizer is the same whatever the other rows of the call, the length n
 // past its keys, or the gaps between them (a tree's masked siblings). With it every kernel here
@@ -727,20 +837,23 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
     long s0 = 0;
 #if defined(SB_AVX512)
     {  // every row count: a score must not depend on how many rows share the call
-        alignas(64) float kt[512 * 16];
+        // two blocks of 16 keys at a time (up to 4 rows x 2 blocks of chains in flight), then one
+        alignas(64) float kt[2 * 512 * 16];
+        for (; s0 + 32 <= S; s0 += 32) {
+            keys16(kh + s0 * d, d, 16, kt);
+            keys16(kh + (s0 + 16) * d, d, 16, kt + d * 16);
+            long row = 0;
+            for (; row + 4 <= rows; row += 4) key_blocks16<4, 2>(q, kt, d, qkv, T, g * rep, row, scale, 0xffff, p + s0, S);
+            for (; row + 2 <= rows; row += 2) key_blocks16<2, 2>(q, kt, d, qkv, T, g * rep, row, scale, 0xffff, p + s0, S);
+            for (; row < rows; ++row) key_blocks16<1, 2>(q, kt, d, qkv, T, g * rep, row, scale, 0xffff, p + s0, S);
+        }
         for (; s0 < S; s0 += 16) {
             const long nb = S - s0 < 16 ? S - s0 : 16;
-            for (long j = 0; j < 16; ++j)
-                for (long i = 0; i < d; ++i) kt[i * 16 + j] = j < nb ? load_act(kh + (s0 + j) * d, i) : 0.f;
+            keys16(kh + s0 * d, d, nb, kt);
             const __mmask16 m = nb == 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << nb) - 1u);
-            for (long r = 0; r < rep; ++r)
-                for (long t = 0; t < T; ++t) {
-                    const float* qh = q + t * qkv + (g * rep + r) * d;
-                    __m512 acc = _mm512_setzero_ps();
-                    for (long i = 0; i < d; ++i)
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(qh[i]), _mm512_load_ps(kt + i * 16), acc);
-                    _mm512_mask_storeu_ps(p + (r * T + t) * S + s0, m, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
-                }
+            long row = 0;
+            for (; row + 4 <= rows; row += 4) key_blocks16<4, 1>(q, kt, d, qkv, T, g * rep, row, scale, m, p + s0, S);
+            for (; row < rows; ++row) key_blocks16<1, 1>(q, kt, d, qkv, T, g * rep, row, scale, m, p + s0, S);
         }
     }
 #elif defined(SB_AVX2)
@@ -833,6 +946,14 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
         }
     }
     long row = 0;
+#if defined(SB_AVX512)
+    // Four rows at a time: each V row loaded (and widened) once for the four; every output is the
+    // same FMA chain over s whatever the number of rows
+    if constexpr (D == 64 || D == 128) {
+        for (; row + 4 <= rows; row += 4) weigh_values16<C, 4, D>(p, vh, S, row, T, hq, g * rep, out);
+        for (; row < rows; ++row) weigh_values16<C, 1, D>(p, vh, S, row, T, hq, g * rep, out);
+    }
+#endif
 #if defined(SB_AVX2)
     // Four rows at a time over 16 dimensions: each V row loaded (and widened) once for the four;
     // every output is the same FMA chain over s as below.
@@ -1044,7 +1165,8 @@ double sb_read_sum(const float* p, long n, int threads) {
         vf a[4] = {vzero(), vzero(), vzero(), vzero()};
         long i = lo;
         for (; i + 4 * VL <= hi; i += 4 * VL) {
-            _mm_prefetch(reinterpret_cast<const char*>(p + i) + kPrefetch, _MM_HINT_T0);
+            for (int line = 0; line < 4 * VL * 4; line += 64)  // every line of the step
+                _mm_prefetch(reinterpret_cast<const char*>(p + i) + kPrefetch + line, _MM_HINT_T0);
             for (int u = 0; u < 4; ++u) a[u] = a[u] + vload(p + i + u * VL);
         }
         float lanes[VL];

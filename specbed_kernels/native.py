@@ -56,7 +56,10 @@ from torch import Tensor
 from specbed_kernels import cpu
 
 SOURCE = Path(__file__).with_name("native.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# SPECBED_NATIVE_FLAGS adds compiler flags, e.g. "-mno-avx512f" to build and measure the AVX2 path
+# on an AVX-512 host (benchmarks/bench_verify.py prints which ISA the library was built for)
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+         *os.environ.get("SPECBED_NATIVE_FLAGS", "").split()]
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
