@@ -19,6 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,15 +61,50 @@ def probe_functions(exp: ExperimentConfig, target: Any, tokenizer: Any,
     return fns
 
 
+def last_level_cache_bytes() -> int:
+    """The CPU's largest cache (sysfs), 32 MB where it cannot be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG") or 0) * unit)
+    return max(sizes, default=32 << 20)
+
+
+_EVICT: list[torch.Tensor] = []
+
+
+def evict_caches() -> None:
+    """Reads twice the last-level cache, so that the next call finds none of its weights cached.
+
+    A probe's ratio to the profile is the machine's drift only if both find the caches alike.
+    The profile times its probes in random order, mostly after a target forward that streamed
+    every cached line out: a small draft (the bundled one reads ~1.6 ms cold) is timed cold. In a
+    run's own processes it was not: where the draft's process holds a pipeline's first stage or
+    nothing else (`decentralized`, `async`), its probe read 1.27-1.30 ms against 1.65 ms in
+    `sync`'s, and the drift factor 0.68-0.89 made the predicted draft 20-30 % faster than the
+    run's own steps, which follow the target's. Before every timed call, on the CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return  # a GPU's models do not live in the CPU's caches
+    if not _EVICT:
+        _EVICT.append(torch.ones(2 * last_level_cache_bytes() // 4))
+    _EVICT[0].sum()
+
+
 def time_functions(fns: ProbeFns, *, repeats: int = REPEATS, warmup: int = WARMUP,
                    align: Callable[[], Any] | None = None) -> dict[str, float]:
     """Median seconds per call of each function, the calls interleaved (a burst of load hits
-    every model alike). ``align``, called before each call and not timed: a tensor-parallel
-    group's barrier, so that every rank starts the forward together (see ``RunProbe``)."""
+    every model alike), each after ``evict_caches``. ``align``, called before each call and not
+    timed: a tensor-parallel group's barrier, so that every rank starts the forward together
+    (see ``RunProbe``)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     with torch.inference_mode():
         for i in range(warmup + repeats):
             for name, fn in fns.items():
+                evict_caches()
                 if align is not None:
                     align()
                 sync_device()

@@ -48,6 +48,7 @@ from real.calibrate.drafts import make_draft as _make_draft
 from real.calibrate.fit import isotonic, smooth_table
 from real.calibrate.links import measure_messages
 from real.calibrate.machine import load_average, machine_facts
+from real.calibrate.probe_forward import evict_caches
 from real.model.runners import sync_device
 from testbed.config import ExperimentConfig, ModelConfig, real_dtype
 from testbed.paths import profile_path as testbed_profile_path
@@ -91,9 +92,14 @@ class Probes:
     def __init__(self) -> None:
         self.fns: dict[tuple, Callable[[], Any]] = {}
         self.samples: dict[tuple, list[float]] = {}
+        self.cold: set[tuple] = set()
 
-    def add(self, key: tuple, fn: Callable[[], Any]) -> None:
+    def add(self, key: tuple, fn: Callable[[], Any], *, cold: bool = False) -> None:
+        """``cold``: time the call after ``evict_caches`` (a draft model's forwards: in a run they
+        follow the target's, and the run's probes time them so; see probe_forward.evict_caches)."""
         self.fns[key] = fn
+        if cold:
+            self.cold.add(key)
 
     def run(self, passes: int, seed: int = 0, log: Callable[[str], None] | None = None) -> None:
         import random
@@ -105,6 +111,8 @@ class Probes:
         for i in range(passes):
             rng.shuffle(keys)
             for k in keys:
+                if k in self.cold:
+                    evict_caches()
                 sync_device()
                 t = time.perf_counter()
                 self.fns[k]()
@@ -199,12 +207,13 @@ def add_draft_probes(pr: Probes, cfg: ModelConfig, *, vocab: int, grid: Grid, pr
         for c in grid.context:
             for k in grid.draft_k:
                 toks = _tokens(k, vocab, gen)
-                pr.add((name, cls, k, c), lambda d=d, toks=toks, c=c, f=pick: f(d.forward_probs(toks, c)))
+                pr.add((name, cls, k, c), lambda d=d, toks=toks, c=c, f=pick: f(d.forward_probs(toks, c)),
+                       cold=True)
     if cfg.kind == "transformer":  # an early-exit draft shares the target's prefill
         d0 = make(0.0)
         for n in grid.prompt_len:
             ids = _tokens(n, vocab, gen)
-            pr.add((name, "prefill", n), lambda ids=ids: d0.start(ids))
+            pr.add((name, "prefill", n), lambda ids=ids: d0.start(ids), cold=True)
 
     def build() -> dict[str, Any]:
         forward = {}

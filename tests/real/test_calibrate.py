@@ -95,3 +95,36 @@ def test_batched_tables_never_decrease_in_tokens_or_requests() -> None:
     assert all(b >= a for col in zip(*t) for a, b in zip(col, col[1:]))
     assert t[3][2] == 118.5 and t[1][2] == 29.7  # cells without a violation kept
     assert min(map(min, raw)) <= min(map(min, t)) and max(map(max, t)) <= max(map(max, raw))
+
+
+def test_probes_find_the_caches_evicted_where_the_profile_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's probe and the profile's draft probes each start after a cache eviction, so that
+    their ratio is the machine's drift, not whether the draft's weights were still cached."""
+    from real.calibrate import probe_forward
+    from real.calibrate import profile as calib_profile
+
+    events: list[str] = []
+    monkeypatch.setattr(probe_forward, "evict_caches", lambda: events.append("evict"))
+    monkeypatch.setattr(calib_profile, "evict_caches", lambda: events.append("evict"))
+    fns = {"target": lambda: events.append("target"), "draft": lambda: events.append("draft")}
+    probe_forward.time_functions(fns, repeats=2, warmup=1)
+    assert events == ["evict", "target", "evict", "draft"] * 3
+
+    events.clear()
+    pr = calib_profile.Probes()
+    pr.add(("target", 1), lambda: events.append("target"))
+    pr.add(("draft", 1), lambda: events.append("draft"), cold=True)
+    pr.run(passes=3)
+    timed = events[2:]  # after the warm-up calls
+    assert timed.count("evict") == 3 and timed.count("target") == 3
+    assert all(timed[i - 1] == "evict" for i, e in enumerate(timed) if e == "draft")
+    assert all(i == 0 or timed[i - 1] != "evict" for i, e in enumerate(timed) if e == "target")
+
+
+def test_the_eviction_buffer_is_twice_the_last_level_cache() -> None:
+    from real.calibrate import probe_forward
+
+    llc = probe_forward.last_level_cache_bytes()
+    assert llc >= 1 << 20
+    probe_forward.evict_caches()
+    assert probe_forward._EVICT[0].numel() * 4 == 2 * llc
