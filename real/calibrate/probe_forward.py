@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -95,16 +95,20 @@ def evict_caches() -> None:
 
 
 def time_functions(fns: ProbeFns, *, repeats: int = REPEATS, warmup: int = WARMUP,
-                   align: Callable[[], Any] | None = None) -> dict[str, float]:
+                   align: Callable[[], Any] | None = None, cold: Collection[str] = ()) -> dict[str, float]:
     """Median seconds per call of each function, the calls interleaved (a burst of load hits
-    every model alike), each after ``evict_caches``. ``align``, called before each call and not
+    every model alike); those named in ``cold`` (the draft's) each after ``evict_caches``, as the
+    profile times them. The target's are not: its tables time its forwards as a run makes them,
+    back to back, with its activations and KV cache warm (evicted, its probe read ~5 % slower than
+    its tables, a drift that was not the machine's). ``align``, called before each call and not
     timed: a tensor-parallel group's barrier, so that every rank starts the forward together
     (see ``RunProbe``)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     with torch.inference_mode():
         for i in range(warmup + repeats):
             for name, fn in fns.items():
-                evict_caches()
+                if name in cold:
+                    evict_caches()
                 if align is not None:
                     align()
                 sync_device()
@@ -145,7 +149,7 @@ def forward_probe(exp: ExperimentConfig) -> dict[str, float]:
             _models.clear()  # one pair's models at a time
             drafts = [d] if spec_of(exp).drafts else []
             _models[key] = probe_functions(exp, target, tokenizer, drafts)
-        reading = time_functions(_models[key])
+        reading = time_functions(_models[key], cold=[m for m in _models[key] if m != t.name])
     finally:
         torch.set_num_threads(old_threads)
     _readings[key] = (time.monotonic(), reading)
@@ -195,7 +199,8 @@ class RunProbe:
         """A reading before request ``index`` (of every run pass: the same on every rank)."""
         if index % self.every:
             return None
-        reading = time_functions(self.fns, repeats=RUN_REPEATS, warmup=1, align=self.align)
+        reading = time_functions(self.fns, repeats=RUN_REPEATS, warmup=1, align=self.align,
+                                 cold=[role for role in self.fns if role.startswith("draft")])
         self.readings.append(reading)
         return reading
 

@@ -293,9 +293,10 @@ def calibrate(exp: ExperimentConfig, run_dir: Path | None = None, *, grid: Grid 
             # the probe a prediction repeats to correct for drift (sim.profile_drift=forward),
             # around the tables it stands for
             fwd = probe_functions(exp, target, tokenizer, [d for d in drafts_to_measure(exp) if d.name in builders])
-            fwd_before = time_functions(fwd)
+            drafts_cold = [m for m in fwd if m != exp.pair.target.name]  # as forward_probe times them
+            fwd_before = time_functions(fwd, cold=drafts_cold)
             pr.run(grid.repeats, log=log)
-            fwd_after = time_functions(fwd)
+            fwd_after = time_functions(fwd, cold=drafts_cold)
             models = {name: build() for name, build in builders.items()}
             for name, build in batch_builders.items():
                 models[name]["batch"] = build()
