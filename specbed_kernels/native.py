@@ -390,26 +390,35 @@ def _tp_hook(model, lo: int) -> tuple[Any, Any, Any] | None:  # model: real.mode
     return None, None, None
 
 
+def _fused_call(model, lo: int, hi: int, h: Tensor, cos: Tensor) -> tuple | None:
+    """(all-reduce, its native fn and ctx, packed layers, dims) for one sb_layers call on the rows
+    of ``h [1, T, dim]``, or None where the fused path does not apply (no library, not the CPU,
+    autograd, more than ``MAX_TOKENS`` rows, another dtype, a TP group without a native sum)."""
+    if _LIB is None or hi <= lo or h.device.type != "cpu" or h.dim() != 3 or h.shape[0] != 1:
+        return None
+    if torch.is_grad_enabled() and (h.requires_grad or model.norm.requires_grad):
+        return None  # no autograd through ctypes
+    if h.shape[1] > MAX_TOKENS or h.dtype not in _CODES or cos.dtype != h.dtype:
+        return None
+    hook = _tp_hook(model, lo)
+    if hook is None:
+        return None
+    packed = _pack(model, lo, hi)
+    if packed is None or _CODES[h.dtype] != packed[1].dtype:
+        return None
+    return (*hook, *packed)
+
+
 def decode_layers(model, lo: int, hi: int, h: Tensor, *, cos: Tensor, sin: Tensor, pos: Tensor,
                   mask: Tensor | None, kv_len: int) -> Tensor | None:
     """Layers ``[lo, hi)`` of ``model`` (a real.model.decoder.Transformer) on ``h [1, T, dim]`` (T <= ``MAX_TOKENS``)
     in one native call, or None when this case is not covered (the model then runs op by op).
     Arguments as in ``Transformer.forward_layers`` after it resolved positions and the mask."""
-    if _LIB is None or hi <= lo or h.device.type != "cpu" or h.dim() != 3 or h.shape[0] != 1:
+    fused = _fused_call(model, lo, hi, h, cos)
+    if fused is None:
         return None
-    if torch.is_grad_enabled() and (h.requires_grad or model.norm.requires_grad):
-        return None  # no autograd through ctypes
+    allreduce, ar_fn, ar_ctx, layers, dims = fused
     t = h.shape[1]
-    if t > MAX_TOKENS or h.dtype not in _CODES or cos.dtype != h.dtype:
-        return None
-    hook = _tp_hook(model, lo)
-    if hook is None:
-        return None
-    allreduce, ar_fn, ar_ctx = hook
-    packed = _pack(model, lo, hi)
-    if packed is None or _CODES[h.dtype] != packed[1].dtype:
-        return None
-    layers, dims = packed
     if mask is not None:
         if mask.dtype != torch.bool or mask.shape[-2:] != (t, kv_len) or mask.numel() != t * kv_len:
             return None
@@ -433,21 +442,10 @@ def batch_layers(model, h: Tensor, *, hi: int, cos: Tensor, sin: Tensor, slots: 
     ``masks[i]`` (bool ``[T_i, kv_lens[i]]``) or causally (None). None where the native path does
     not apply (the caller runs the rows op by op): R > ``MAX_TOKENS``, autograd, a tensor-parallel
     group without a native all-reduce."""
-    if _LIB is None or h.device.type != "cpu" or h.dim() != 3 or h.shape[0] != 1:
+    fused = _fused_call(model, lo, hi, h, cos)
+    if fused is None:
         return None
-    if torch.is_grad_enabled() and model.norm.requires_grad:
-        return None
-    t = h.shape[1]
-    if t > MAX_TOKENS or h.dtype not in _CODES or cos.dtype != h.dtype or hi <= lo:
-        return None
-    hook = _tp_hook(model, lo)
-    if hook is None:
-        return None
-    allreduce, ar_fn, ar_ctx = hook
-    packed = _pack(model, lo, hi)
-    if packed is None or _CODES[h.dtype] != packed[1].dtype:
-        return None
-    layers, dims = packed
+    allreduce, ar_fn, ar_ctx, layers, dims = fused
     n = len(kv_lens)
     offsets, parts, off = [], [], 0
     for i, m in enumerate(masks):
