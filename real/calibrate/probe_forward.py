@@ -86,7 +86,8 @@ def evict_caches() -> None:
     run's own processes it was not: where the draft's process holds a pipeline's first stage or
     nothing else (`decentralized`, `async`), its probe read 1.27-1.30 ms against 1.65 ms in
     `sync`'s, and the drift factor 0.68-0.89 made the predicted draft 20-30 % faster than the
-    run's own steps, which follow the target's. Before every timed call, on the CPU."""
+    run's own steps, which follow the target's. Before each draft probe (``time_functions``'
+    ``cold``, the profile's cold probes), on the CPU."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return  # a GPU's models do not live in the CPU's caches
     if not _EVICT:
