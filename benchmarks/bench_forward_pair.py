@@ -23,19 +23,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from real.model.weights import load_model  # noqa: E402
-from specbed_kernels import native  # noqa: E402
+from specbed_kernels import native, native_build  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def load_base(source: Path):  # noqa: ANN201 - a ctypes.CDLL
-    """``source`` built and given the signatures kernels.native gives its own library."""
-    build = native.build
-    native.build = lambda _source=native.SOURCE: build(source)
-    try:
-        lib = native._load()
-    finally:
-        native.build = build
+    """``source`` built and given the signatures specbed_kernels.native gives its own library."""
+    lib = native_build.load(source)
     if lib is None:
         raise SystemExit(f"{source}: build failed")
     return lib
