@@ -5,16 +5,19 @@
 
 Two worker processes, each pinned to one core with one intra-op thread, joined by gloo. First
 the bare all-reduce of a hidden-sized vector (576 fp32) with each backend (gloo's
-``dist.all_reduce``; the shared-memory one of specbed_kernels/allreduce.py). Then, per model and per k
-(tokens per forward, after a ``--context``-token prefill), in every repeat and interleaved so
-that machine noise hits all of them alike: TP=1 (rank 0 alone on its core, rank 1 parked in a
-gloo barrier) and TP=2 with each backend (both ranks, one sharded model whose all-reduce is
+``dist.all_reduce``; the shared-memory one of specbed_kernels/allreduce.py), and a 256 MB read
+on one core alone and on both cores at once (what the memory system gives two streams). Then,
+per model and per k (tokens per forward, after a ``--context``-token prefill), in every repeat
+and interleaved so that machine noise hits all of them alike: TP=1 (rank 0 alone on its core,
+rank 1 parked in a gloo barrier); "tp1_both", the whole model on each core at once (two
+independent forwards, no tensor parallelism: what two concurrent weight streams cost each
+other); rank 0's shard alone while rank 1 is parked (no all-reduce: the compute share without a
+concurrent neighbour); TP=2 with each backend (both ranks, one sharded model whose all-reduce is
 switched between backends), and TP=2 with no all-reduce at all ("none": wrong logits, but it
-separates each rank's compute from the waiting at the 2 x layers synchronisation points), and
-rank 0's shard alone while rank 1 is parked (no all-reduce: the compute share without a
-concurrent neighbour). Each figure is the median over ``--iters`` forwards; the ratio
-TP2/TP1 is taken per repeat (paired) and its median and range are printed. The machine is shared:
-the load average at the start and end is printed with the numbers.
+separates each rank's compute from the waiting at the 2 x layers synchronisation points). Each
+figure is the median over ``--iters`` forwards; the ratio TP2/TP1 is taken per repeat (paired)
+and its median and range are printed. The machine is shared: the load average at the start and
+end is printed with the numbers.
 
 "target" is the bundled SmolLM2-135M-Instruct (9 heads / 3 KV heads: 6+3 query heads at TP=2),
 "draft" the trained models/smollm2-draft (3 heads: 2+1).
@@ -113,6 +116,32 @@ def _allreduce_latency(backend, n: int = 576, iters: int = 2000) -> dict:
             "mean_us": 1e6 * statistics.fmean(times)}
 
 
+def _read_gbs(buf: torch.Tensor) -> float:
+    """GB/s of one core streaming ``buf`` (native.cpp's sb_read_sum, torch's sum without it)."""
+    from specbed_kernels import native
+
+    start = time.perf_counter()
+    if native._LIB is not None:
+        native._LIB.sb_read_sum(buf.data_ptr(), buf.numel(), 1)
+    else:
+        buf.sum()
+    return buf.numel() * 4 / (time.perf_counter() - start) / 1e9
+
+
+def _reads(rank: int, repeats: int = 5) -> dict:
+    """A 256 MB read on rank 0's core alone (rank 1 parked) and on both cores at once, interleaved:
+    what the memory system gives two concurrent streams against one."""
+    buf = torch.ones(64 << 20)
+    out: dict[str, list[float]] = {"alone": [], "both": []}
+    for _ in range(repeats):
+        if rank == 0:
+            out["alone"].append(_read_gbs(buf))
+        dist.barrier()
+        out["both"].append(_read_gbs(buf))
+        dist.barrier()
+    return out
+
+
 def _worker(rank: int, cfg: dict, store_path: str, out_path: str) -> None:
     os.sched_setaffinity(0, {cfg["cpus"][rank]})
     torch.set_num_threads(1)
@@ -121,28 +150,29 @@ def _worker(rank: int, cfg: dict, store_path: str, out_path: str) -> None:
     try:
         backends = {"gloo": GlooAllReduce(), "shm": ShmAllReduce(), "none": NoAllReduce(rank, 2)}
         result = {"allreduce_576_fp32": {k: _allreduce_latency(backends[k]) for k in ("gloo", "shm")},
-                  "forward": {}}
+                  "read_gbs": _reads(rank), "forward": {}}
         dtype = DTYPES[cfg["dtype"]]
         for name in cfg["models"]:
-            full = _load(name, dtype) if rank == 0 else None
+            full = _load(name, dtype)  # both ranks: "tp1_both" runs one on each core at once
             switch = Switchable(backends)
             sharded = apply_tp(_load(name, dtype), rank=rank, world=2, allreduce=switch)
             prompt = torch.randint(0, sharded.args.vocab_size, (1, cfg["context"]),
                                    generator=torch.Generator().manual_seed(0))
             with torch.inference_mode():
                 sharded(prompt, 0)
-                if full is not None:
-                    full(prompt, 0)
+                full(prompt, 0)
             rows = result["forward"][name] = {}
             for _ in range(cfg["repeats"]):
                 for k in cfg["k"]:
                     tokens = prompt[:, :k]
-                    row = rows.setdefault(str(k), {"tp1": [], "shard0_alone": [],
+                    row = rows.setdefault(str(k), {"tp1": [], "shard0_alone": [], "tp1_both": [],
                                                    **{f"tp2_{b}": [] for b in BACKENDS}})
                     if rank == 0:
                         row["tp1"].append(_time_forwards(full, tokens, cfg["context"], cfg["iters"]))
                         switch.current = backends["none"]
                         row["shard0_alone"].append(_time_forwards(sharded, tokens, cfg["context"], cfg["iters"]))
+                    dist.barrier()
+                    row["tp1_both"].append(_time_forwards(full, tokens, cfg["context"], cfg["iters"]))
                     dist.barrier()
                     for b in BACKENDS:
                         switch.current = backends[b]
@@ -181,6 +211,9 @@ def main() -> None:
     print("all-reduce of 576 fp32, 2 pinned processes:")
     for b, r in result["allreduce_576_fp32"].items():
         print(f"  {b:5s} p50 {r['p50_us']:8.1f} us   p99 {r['p99_us']:8.1f} us   mean {r['mean_us']:8.1f} us")
+    reads = result["read_gbs"]
+    print(f"one core reading 256 MB: alone {statistics.median(reads['alone']):.1f} GB/s, with the other core "
+          f"reading at once {statistics.median(reads['both']):.1f} GB/s (median of {len(reads['both'])}, rank 0)")
     print(f"forward latency ({args.dtype}, context {args.context}; {args.repeats} interleaved repeats "
           f"of {args.iters} forwards). ms: median of the repeats' medians; ratio /TP1: per repeat "
           "(paired), median [min, max]; best: fastest forward / fastest TP1 forward (noise only adds):")
@@ -189,7 +222,7 @@ def main() -> None:
         for k, row in rows.items():
             tp1 = [statistics.median(r) for r in row["tp1"]]
             best1 = min(min(r) for r in row["tp1"])
-            for variant in ("tp1", "shard0_alone", *(f"tp2_{b}" for b in BACKENDS)):
+            for variant in ("tp1", "tp1_both", "shard0_alone", *(f"tp2_{b}" for b in BACKENDS)):
                 med = [statistics.median(r) for r in row[variant]]
                 ratios = [m / t for m, t in zip(med, tp1, strict=True)]
                 best = min(min(r) for r in row[variant]) / best1

@@ -32,6 +32,7 @@ def small_args(name: str, out_dir: Path, cpus: str, threads: int) -> list[str]:
                             "--out", str(out_dir / "bench_transport.json")],
         "bench_decode": ["--new-tokens", "64", "--runs", "3", *pin,
                          "--out", str(out_dir / "bench_decode.json")],
+        "bench_eagle_features": ["--shards", "2", "--steps", "20"],
         "bench_hf": ["--prompts", "1", "--new-tokens", "32", "--runs", "1", *pin,
                      "--out", str(out_dir / "bench_hf.json")],
     }.get(name, [])
