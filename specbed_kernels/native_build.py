@@ -3,7 +3,8 @@
 Build: ``$CXX`` (else g++/c++) ``-O3 -march=native -fopenmp``, cached under
 ``$XDG_CACHE_HOME/specbed`` (default ``~/.cache/specbed``) by a hash of the source, flags,
 compiler and CPU, so it is compiled once per machine (~3 s). No compiler, a failed build or
-``SPECBED_NATIVE=0``: ``AVAILABLE`` is False and the registry keeps the oneDNN/PyTorch ops.
+``SPECBED_NATIVE=0``: ``specbed_kernels.native.AVAILABLE`` is False and the registry keeps the
+oneDNN/PyTorch ops.
 The library links libgomp by soname, which PyTorch has already loaded, so both share one
 OpenMP runtime and the caller passes ``torch.get_num_threads()``.
 """
