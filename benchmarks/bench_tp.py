@@ -5,7 +5,7 @@
 
 Two worker processes, each pinned to one core with one intra-op thread, joined by gloo. First
 the bare all-reduce of a hidden-sized vector (576 fp32) with each backend (gloo's
-``dist.all_reduce``; the shared-memory one of specbed_kernels/allreduce.py), and a 256 MB read
+``dist.all_reduce``; the shared-memory one of specbed_kernels/allreduce.py), and a 512 MB read
 on one core alone and on both cores at once (what the memory system gives two streams). Then,
 per model and per k (tokens per forward, after a ``--context``-token prefill), in every repeat
 and interleaved so that machine noise hits all of them alike: TP=1 (rank 0 alone on its core,
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from roofline_probes import read_bandwidth
 
 from real.model.tp import apply_tp
 from specbed_kernels.allreduce import GlooAllReduce, ShmAllReduce
@@ -116,28 +117,15 @@ def _allreduce_latency(backend, n: int = 576, iters: int = 2000) -> dict:
             "mean_us": 1e6 * statistics.fmean(times)}
 
 
-def _read_gbs(buf: torch.Tensor) -> float:
-    """GB/s of one core streaming ``buf`` (native.cpp's sb_read_sum, torch's sum without it)."""
-    from specbed_kernels import native
-
-    start = time.perf_counter()
-    if native._LIB is not None:
-        native._LIB.sb_read_sum(buf.data_ptr(), buf.numel(), 1)
-    else:
-        buf.sum()
-    return buf.numel() * 4 / (time.perf_counter() - start) / 1e9
-
-
 def _reads(rank: int, repeats: int = 5) -> dict:
-    """A 256 MB read on rank 0's core alone (rank 1 parked) and on both cores at once, interleaved:
-    what the memory system gives two concurrent streams against one."""
-    buf = torch.ones(64 << 20)
+    """GB/s of roofline_probes' one-core read (512 MB) on rank 0's core alone (rank 1 parked) and
+    on both cores at once, interleaved: what the memory system gives two concurrent streams."""
     out: dict[str, list[float]] = {"alone": [], "both": []}
     for _ in range(repeats):
         if rank == 0:
-            out["alone"].append(_read_gbs(buf))
+            out["alone"].append(read_bandwidth(1, repeats=1) / 1e9)
         dist.barrier()
-        out["both"].append(_read_gbs(buf))
+        out["both"].append(read_bandwidth(1, repeats=1) / 1e9)
         dist.barrier()
     return out
 
@@ -212,7 +200,7 @@ def main() -> None:
     for b, r in result["allreduce_576_fp32"].items():
         print(f"  {b:5s} p50 {r['p50_us']:8.1f} us   p99 {r['p99_us']:8.1f} us   mean {r['mean_us']:8.1f} us")
     reads = result["read_gbs"]
-    print(f"one core reading 256 MB: alone {statistics.median(reads['alone']):.1f} GB/s, with the other core "
+    print(f"one core reading 512 MB: alone {statistics.median(reads['alone']):.1f} GB/s, with the other core "
           f"reading at once {statistics.median(reads['both']):.1f} GB/s (median of {len(reads['both'])}, rank 0)")
     print(f"forward latency ({args.dtype}, context {args.context}; {args.repeats} interleaved repeats "
           f"of {args.iters} forwards). ms: median of the repeats' medians; ratio /TP1: per repeat "
