@@ -160,7 +160,7 @@ constexpr long kMaxTokens = 64; // rows per sb_layers call (attention scratch gr
 
 // Scratch buffers: 64-byte aligned and kept across calls, per thread and use (the x loads of a
 // tile must not split cache lines by heap accident). Every user writes the range it reads.
-enum ScratchUse { kXin, kQkv, kAtt, kAct, kProbs, kPart, kPack, kScratchUses };
+enum ScratchUse { kXin, kQkv, kAtt, kAct, kProbs, kPart, kPack, kValues, kScratchUses };
 constexpr uintptr_t kLine = 64;
 
 template <typename V>
@@ -619,7 +619,9 @@ inline void rope_head(float* x, const float* cos, const float* sin, long d) {
     const long half = d / 2;
     float tmp[512];
     for (long i = 0; i < d; ++i) tmp[i] = x[i];
-    for (long i = 0; i < d; ++i) x[i] = tmp[i] * cos[i] + tmp[(i + half) % d] * sin[i];
+    // two halves instead of an index modulo d: a division per element cost ~2 % of a forward
+    for (long i = 0; i < half; ++i) x[i] = tmp[i] * cos[i] + tmp[i + half] * sin[i];
+    for (long i = half; i < d; ++i) x[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
 }
 
 #if defined(SB_AVX2) || defined(SB_AVX512)
@@ -795,6 +797,26 @@ inline void weigh_values16(const float* p, const C* vh, long S, long row0, long 
         for (int j = 0; j < NV; ++j) _mm512_storeu_ps(dst + 16 * j, o[r][j]);
     }
 }
+
+// rows of one V pass: 6 (D = 64: 24 accumulators, 4 V vectors) or 3 (D = 128) at a time
+template <int D>
+constexpr long kValueRows = D == 64 ? 6 : 3;
+
+// every row of weigh_values16, kValueRows<D> at a time and the rest in one call
+template <typename C, int D>
+inline void weigh_value_rows(const float* p, const C* vh, long S, long rows, long T, long hq, long h0, float* out) {
+    constexpr long R = kValueRows<D>;
+    long row = 0;
+    for (; row + R <= rows; row += R) weigh_values16<C, R, D>(p, vh, S, row, T, hq, h0, out);
+    switch (rows - row) {
+        case 5: if constexpr (R > 5) weigh_values16<C, 5, D>(p, vh, S, row, T, hq, h0, out); break;
+        case 4: if constexpr (R > 4) weigh_values16<C, 4, D>(p, vh, S, row, T, hq, h0, out); break;
+        case 3: if constexpr (R > 3) weigh_values16<C, 3, D>(p, vh, S, row, T, hq, h0, out); break;
+        case 2: weigh_values16<C, 2, D>(p, vh, S, row, T, hq, h0, out); break;
+        case 1: weigh_values16<C, 1, D>(p, vh, S, row, T, hq, h0, out); break;
+        default: break;
+    }
+}
 #endif
 
 // Sum of p[0, n) front to back, one chain: exact zeros (keys this row may not see) change nothing,
@@ -808,20 +830,29 @@ inline float sequential_sum(const float* p, long n) {
     for (long s = 0; s < n; ++s) sum += p[s];
     return sum;
 }
-// sequential_sum of nr <= 4 rows p [nr][n] at once, each the same chain
+// sequential_sum of nr <= 8 rows p [nr][n] at once, each the same chain (8 chains in flight
+// cover the add latency on the two add pipes; 4 left half of them idle)
 inline void sequential_sums(const float* p, long n, long nr, float* sum) {
-    if (nr < 4) {
-        for (long j = 0; j < nr; ++j) sum[j] = sequential_sum(p + j * n, n);
+    if (nr < 8) {
+        long j = 0;
+        for (; j + 4 <= nr; j += 4) {
+            float a = 0.f, b = 0.f, c = 0.f, e = 0.f;
+            const float* q = p + j * n;
+            for (long s = 0; s < n; ++s) {
+                a += q[s];
+                b += q[n + s];
+                c += q[2 * n + s];
+                e += q[3 * n + s];
+            }
+            sum[j] = a, sum[j + 1] = b, sum[j + 2] = c, sum[j + 3] = e;
+        }
+        for (; j < nr; ++j) sum[j] = sequential_sum(p + j * n, n);
         return;
     }
-    float a = 0.f, b = 0.f, c = 0.f, e = 0.f;
-    for (long s = 0; s < n; ++s) {
-        a += p[s];
-        b += p[n + s];
-        c += p[2 * n + s];
-        e += p[3 * n + s];
-    }
-    sum[0] = a, sum[1] = b, sum[2] = c, sum[3] = e;
+    float a[8] = {};
+    for (long s = 0; s < n; ++s)
+        for (int j = 0; j < 8; ++j) a[j] += p[j * n + s];
+    for (int j = 0; j < 8; ++j) sum[j] = a[j];
 }
 
 // Grouped-query attention of T tokens over cache slots [0, S): the rep = Hq/Hkv query heads of
@@ -837,8 +868,16 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
     long s0 = 0;
 #if defined(SB_AVX512)
     {  // every row count: a score must not depend on how many rows share the call
-        // two blocks of 16 keys at a time (up to 4 rows x 2 blocks of chains in flight), then one
-        alignas(64) float kt[2 * 512 * 16];
+        // four blocks of 16 keys at a time (4 rows x 4 blocks of chains in flight: two k loads and
+        // four broadcasts per 8 FMAs left the load ports, not the FMAs, the limit), then two, then one
+        alignas(64) float kt[4 * (D > 0 ? D : 512) * 16];
+        for (; s0 + 64 <= S; s0 += 64) {
+            for (long b = 0; b < 4; ++b) keys16(kh + (s0 + 16 * b) * d, d, 16, kt + b * d * 16);
+            long row = 0;
+            for (; row + 4 <= rows; row += 4) key_blocks16<4, 4>(q, kt, d, qkv, T, g * rep, row, scale, 0xffff, p + s0, S);
+            for (; row + 2 <= rows; row += 2) key_blocks16<2, 4>(q, kt, d, qkv, T, g * rep, row, scale, 0xffff, p + s0, S);
+            for (; row < rows; ++row) key_blocks16<1, 4>(q, kt, d, qkv, T, g * rep, row, scale, 0xffff, p + s0, S);
+        }
         for (; s0 + 32 <= S; s0 += 32) {
             keys16(kh + s0 * d, d, 16, kt);
             keys16(kh + (s0 + 16) * d, d, 16, kt + d * 16);
@@ -907,11 +946,22 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
         }
     }
 #endif
-    if (s0 > 0)  // the blocked scores above: the mask now
-        for (long r = 0; r < rep; ++r)
-            for (long t = 0; t < T; ++t)
-                for (long s = 0; s < S; ++s)
-                    if (!(mask ? mask[t * S + s] != 0 : s <= slots[t])) p[(r * T + t) * S + s] = -INFINITY;
+    if (s0 > 0) {  // the blocked scores above: the mask now
+        for (long t = 0; t < T; ++t) {
+            const uint8_t* mt = mask ? mask + t * S : nullptr;
+            // causal by slot: only the keys after the token's own slot (a window's last few)
+            const long first = mask ? 0 : std::max(0l, std::min(S, slots[t] + 1));
+            for (long r = 0; r < rep; ++r) {
+                float* pr = p + (r * T + t) * S;
+                if (!mt) {
+                    for (long s = first; s < S; ++s) pr[s] = -INFINITY;
+                    continue;
+                }
+#pragma omp simd
+                for (long s = 0; s < S; ++s) pr[s] = mt[s] != 0 ? pr[s] : -INFINITY;
+            }
+        }
+    }
     float kv[512];
     for (long s = s0; s < S; ++s) {
         for (long i = 0; i < d; ++i) kv[i] = load_act(kh + s * d, i);
@@ -934,9 +984,9 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
         for (long s = 0; s < S; ++s) pr[s] -= mx;
         exp_inplace(pr, S);
     }
-    for (long row0 = 0; row0 < rows; row0 += 4) {  // 4 rows' sums side by side: 4 add chains in flight
-        const long nr = std::min(4l, rows - row0);
-        float sum[4];
+    for (long row0 = 0; row0 < rows; row0 += 8) {  // 8 rows' sums side by side: 8 add chains in flight
+        const long nr = std::min(8l, rows - row0);
+        float sum[8];
         sequential_sums(p + row0 * S, S, nr, sum);
         for (long j = 0; j < nr; ++j) {
             float* pr = p + (row0 + j) * S;
@@ -950,8 +1000,18 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
     // Four rows at a time: each V row loaded (and widened) once for the four; every output is the
     // same FMA chain over s whatever the number of rows
     if constexpr (D == 64 || D == 128) {
-        for (; row + 4 <= rows; row += 4) weigh_values16<C, 4, D>(p, vh, S, row, T, hq, g * rep, out);
-        for (; row < rows; ++row) weigh_values16<C, 1, D>(p, vh, S, row, T, hq, g * rep, out);
+        if (sizeof(C) == 2 && rows > kValueRows<D>) {
+            // more than one pass over V: widen it to fp32 once (exact) instead of once per pass
+            float* vw = scratch<float>(kValues, S * D);
+            for (long i = 0; i < S * D; i += 16) {
+                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vh + i));
+                _mm512_store_ps(vw + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+            }
+            weigh_value_rows<float, D>(p, vw, S, rows, T, hq, g * rep, out);
+        } else {
+            weigh_value_rows<C, D>(p, vh, S, rows, T, hq, g * rep, out);
+        }
+        row = rows;
     }
 #endif
 #if defined(SB_AVX2)
@@ -987,6 +1047,15 @@ void attend(const LayerDims& dm, const float* q, const C* kc, const C* vc, const
             const uint8_t* mask, long S, long T, float* out) {
     const long hkv = dm.n_kv_heads, d = dm.head_dim, rows = dm.n_heads / hkv * T;
     float* probs = scratch<float>(kProbs, hkv * rows * S);  // single-threaded: small next to the GEMMs
+    // The layer's K and V rows [0, S) requested into L2 at once (a few hundred KB): read as they
+    // are used, each group's first touches missed to memory one stream at a time (the widening of
+    // V alone was a tenth of attention's time in an 8-token bf16 forward)
+    const long row_bytes = d * static_cast<long>(sizeof(C));
+    for (long g = 0; g < hkv; ++g)
+        for (long off = 0; off < S * row_bytes; off += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(kc + g * dm.max_seq * d) + off, _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(vc + g * dm.max_seq * d) + off, _MM_HINT_T1);
+        }
     for (long g = 0; g < hkv; ++g) {
         const C* kh = kc + g * dm.max_seq * d;
         const C* vh = vc + g * dm.max_seq * d;
