@@ -306,6 +306,24 @@ inline void load_step(const float* wk, vf& w0, vf& w1) {
 }
 inline void load_step(const uint16_t* wk, vf& w0, vf& w1) { vwiden(wk, w0, w1); }
 
+// The near prefetch of a tile of MR rows: into L1, or, for a forward's one block of 6-9 rows
+// (whose far prefetch has already asked L2 for the line, and whose FMAs about match its reads),
+// into L2 too. Paired whole forwards, Zen 4, two runs: 6, 7, 8 tokens at 0.89-0.91, 0.93-0.95,
+// 0.96-0.98x the time with the near prefetch into L2; 9 at 0.99-1.00x; 10-16 tokens (10-12 rows:
+// compute bound; 13-16: two blocks sharing the prefetches) 1.00-1.01x, hence the range; without
+// the far prefetch (4 tokens) into L2 alone took 1.25x.
+constexpr int kL2NearMaxRows = 9;
+template <int MR>
+inline void near_prefetch(const char* p, bool one_block) {
+    if constexpr (kPrefetchFar > 0 && MR >= kFarMinRows && MR <= kL2NearMaxRows) {
+        if (one_block) {
+            _mm_prefetch(p, _MM_HINT_T1);
+            return;
+        }
+    }
+    _mm_prefetch(p, _MM_HINT_T0);
+}
+
 // acc (MR x NR tile, fp32, row stride NR) += x block (packed, MR tokens) times steps [k0, k1) of
 // one panel. One accumulator per output: every output's sum is the same sequence over k for
 // every tile height, i.e. for every number of tokens in the forward (batch invariance, see
@@ -322,10 +340,11 @@ inline void tile_steps(const W* panel, const float* xp, long k0, long k1, float*
     // a step of an AVX-512 fp32 panel is two cache lines: prefetching one per step left every
     // other line to the hardware prefetcher (a one-token forward at ~60 % of the read roofline)
     const bool two_lines = pf_step >= 128;
+    const bool one_block = pf_step == NR * static_cast<long>(sizeof(W));  // gemm: a step's bytes
     for (long k = k0; k < k1; ++k) {
         const W* wk = panel + k * NR;
-        _mm_prefetch(pf + (k - k0) * pf_step, _MM_HINT_T0);
-        if (two_lines) _mm_prefetch(pf + (k - k0) * pf_step + 64, _MM_HINT_T0);
+        near_prefetch<MR>(pf + (k - k0) * pf_step, one_block);
+        if (two_lines) near_prefetch<MR>(pf + (k - k0) * pf_step + 64, one_block);
         if constexpr (kPrefetchFar > 0 && MR >= kFarMinRows) {
             _mm_prefetch(pf + (k - k0) * pf_step + kPrefetchFar, _MM_HINT_T1);
             if (two_lines) _mm_prefetch(pf + (k - k0) * pf_step + kPrefetchFar + 64, _MM_HINT_T1);
@@ -362,11 +381,12 @@ inline void tile_pairs(const uint16_t* panel, const float* xp_, long k0, long k1
     // every line of the panel requested (one line per pair left half to the hardware prefetcher)
     const long pair_step = 2 * pf_step;
     const bool two_lines = pair_step >= 128;
+    const bool one_block = pf_step == NR * static_cast<long>(sizeof(uint16_t));  // gemm: a step's bytes
     for (long j = k0 / 2; j < (k1 + 1) / 2; ++j) {  // chunk bounds are even
         const uint16_t* wk = panel + j * 2 * NR;
         const char* pj = pf + (j - k0 / 2) * pair_step;
-        _mm_prefetch(pj, _MM_HINT_T0);
-        if (two_lines) _mm_prefetch(pj + 64, _MM_HINT_T0);
+        near_prefetch<MR>(pj, one_block);
+        if (two_lines) near_prefetch<MR>(pj + 64, one_block);
         if constexpr (kPrefetchFar > 0 && MR >= kFarMinRows) {
             _mm_prefetch(pj + kPrefetchFar, _MM_HINT_T1);
             if (two_lines) _mm_prefetch(pj + kPrefetchFar + 64, _MM_HINT_T1);
