@@ -160,7 +160,7 @@ constexpr long kMaxTokens = 64; // rows per sb_layers call (attention scratch gr
 
 // Scratch buffers: 64-byte aligned and kept across calls, per thread and use (the x loads of a
 // tile must not split cache lines by heap accident). Every user writes the range it reads.
-enum ScratchUse { kXin, kQkv, kAtt, kAct, kProbs, kPart, kPack, kValues, kScratchUses };
+enum ScratchUse { kXin, kQkv, kAtt, kAct, kProbs, kPart, kPack, kValues, kKeys, kScratchUses };
 constexpr uintptr_t kLine = 64;
 
 template <typename V>
@@ -839,6 +839,90 @@ inline void weigh_value_rows(const float* p, const C* vh, long S, long rows, lon
 }
 #endif
 
+// The K and V rows [0, S) of the group attended next (the next KV head, or the next sequence's
+// first): requested into L2 a share per key while this group's keys are read, so that the cache,
+// read once per forward from memory, streams at a steady rate instead of stalling at each first
+// touch (asked for all at once, the requests stalled on the full miss queue: 1.2 ms of a forward
+// of 32 one-token requests; not asked for, attention's loads stalled for half its time).
+struct KvNext {
+    const void* k = nullptr;
+    const void* v = nullptr;
+    long S = 0;
+};
+
+#if defined(SB_AVX512)
+// 16 vectors a[0..16) -> one whose lane j is the sum of a[j]'s 16 lanes, by a fixed tree of
+// pairwise sums: in-lane unpacks and shuffles first (pairs, then fours of vectors), then across
+// the four 128-bit lanes
+inline __m512 sum_lanes16(__m512* a) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; ++i)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xee));
+    const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88), _mm512_shuffle_f32x4(v01, v23, 0xdd));
+}
+
+// Scores p [rows][S] of rows (row = r T + t: query head h0 + r of token t) against the keys kh
+// [S][D], each one dot product of fixed order: 16 lanes of D / 16 products each, then
+// sum_lanes16. A score depends on its query and key only, never on how many rows or keys share
+// the call (what greedy decoding needs to match its verifications). The keys are read once, into
+// an fp32 copy (widened from bf16), in one sequential pass that asks for the keys ahead of it and
+// for V's rows into L2: the cache is read once per forward, from memory. Without a transpose of
+// the keys, a decode's 3 rows per group cost their own FMAs, not the keys' shuffling.
+template <typename C, int D>
+void dot_scores(const float* q, const C* kh, long S, long rows, long qkv, long T, long h0, float scale,
+                const KvNext& next, float* p) {
+    constexpr int NV = D / 16;
+    constexpr long kAheadKeys = 16;
+    float* kf = scratch<float>(kKeys, (S + 16) * D);
+    const long row_bytes = D * static_cast<long>(sizeof(C));
+    const long next_lines = next.k ? next.S * row_bytes / 64 : 0;
+    for (long s = 0; s < S; ++s) {
+        if (s + kAheadKeys < S)  // from L2 (see KvNext) into L1
+            for (long b = 0; b < row_bytes; b += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(kh + (s + kAheadKeys) * D) + b, _MM_HINT_T0);
+        for (long l = s * next_lines / S; l < (s + 1) * next_lines / S; ++l) {
+            _mm_prefetch(static_cast<const char*>(next.k) + 64 * l, _MM_HINT_T1);
+            _mm_prefetch(static_cast<const char*>(next.v) + 64 * l, _MM_HINT_T1);
+        }
+        for (int j = 0; j < NV; ++j) {
+            __m512 v;
+            if constexpr (sizeof(C) == 2) {
+                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kh + s * D + 16 * j));
+                v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+            } else {
+                v = _mm512_loadu_ps(reinterpret_cast<const float*>(kh) + s * D + 16 * j);
+            }
+            _mm512_store_ps(kf + s * D + 16 * j, v);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (long row = 0; row < rows; ++row) {
+        const float* qr = q + (row % T) * qkv + (h0 + row / T) * D;
+        __m512 qv[NV];
+        for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qr + 16 * j);
+        for (long s0 = 0; s0 < S; s0 += 16) {
+            const long nb = std::min(16l, S - s0);
+            __m512 acc[16];
+            for (long k = 0; k < 16; ++k) {
+                if (k >= nb) {
+                    acc[k] = _mm512_setzero_ps();
+                    continue;
+                }
+                const float* kr = kf + (s0 + k) * D;
+                acc[k] = _mm512_mul_ps(qv[0], _mm512_load_ps(kr));
+                for (int j = 1; j < NV; ++j) acc[k] = _mm512_fmadd_ps(qv[j], _mm512_load_ps(kr + 16 * j), acc[k]);
+            }
+            const __mmask16 m = nb == 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << nb) - 1u);
+            _mm512_mask_storeu_ps(p + row * S + s0, m, _mm512_mul_ps(sum_lanes16(acc), sc));
+        }
+    }
+}
+#endif
+
 // Sum of p[0, n) front to back, one chain: exact zeros (keys this row may not see) change nothing,
 // so a row's softmax normalizer is the same whatever the other rows of the call, the length n
 // past its keys, or the gaps between them (a tree's masked siblings). With it every kernel here
@@ -881,13 +965,16 @@ inline void sequential_sums(const float* p, long n, long nr, float* sum) {
 // per (row, key)); D (head_dim) is a compile-time constant for the common sizes.
 template <typename C, int D>
 void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh, const long* slots,
-                  const uint8_t* mask, long S, long T, long g, float* p, float* out) {
+                  const uint8_t* mask, long S, long T, long g, float* p, float* out, const KvNext& next) {
     const long hq = dm.n_heads, d = D > 0 ? D : dm.head_dim, rep = hq / dm.n_kv_heads;
     const long qkv = (hq + 2 * dm.n_kv_heads) * d, rows = rep * T;
     const float scale = 1.f / std::sqrt(static_cast<float>(d));
     long s0 = 0;
 #if defined(SB_AVX512)
-    {  // every row count: a score must not depend on how many rows share the call
+    if constexpr (D == 64 || D == 128) {
+        dot_scores<C, D>(q, kh, S, rows, qkv, T, g * rep, scale, next, p);
+        s0 = S;
+    } else {  // every row count: a score must not depend on how many rows share the call
         // four blocks of 16 keys at a time (4 rows x 4 blocks of chains in flight: two k loads and
         // four broadcasts per 8 FMAs left the load ports, not the FMAs, the limit), then two, then one
         alignas(64) float kt[4 * (D > 0 ? D : 512) * 16];
@@ -1062,27 +1149,20 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
     }
 }
 
+// after: the group attended after this sequence's last (KvNext)
 template <typename C>
 void attend(const LayerDims& dm, const float* q, const C* kc, const C* vc, const long* slots,
-            const uint8_t* mask, long S, long T, float* out) {
+            const uint8_t* mask, long S, long T, float* out, const KvNext& after) {
     const long hkv = dm.n_kv_heads, d = dm.head_dim, rows = dm.n_heads / hkv * T;
     float* probs = scratch<float>(kProbs, hkv * rows * S);  // single-threaded: small next to the GEMMs
-    // The layer's K and V rows [0, S) requested into L2 at once (a few hundred KB): read as they
-    // are used, each group's first touches missed to memory one stream at a time (the widening of
-    // V alone was a tenth of attention's time in an 8-token bf16 forward)
-    const long row_bytes = d * static_cast<long>(sizeof(C));
-    for (long g = 0; g < hkv; ++g)
-        for (long off = 0; off < S * row_bytes; off += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(kc + g * dm.max_seq * d) + off, _MM_HINT_T1);
-            _mm_prefetch(reinterpret_cast<const char*>(vc + g * dm.max_seq * d) + off, _MM_HINT_T1);
-        }
     for (long g = 0; g < hkv; ++g) {
         const C* kh = kc + g * dm.max_seq * d;
         const C* vh = vc + g * dm.max_seq * d;
         float* p = probs + g * rows * S;
-        if (d == 64) attend_group<C, 64>(dm, q, kh, vh, slots, mask, S, T, g, p, out);
-        else if (d == 128) attend_group<C, 128>(dm, q, kh, vh, slots, mask, S, T, g, p, out);
-        else attend_group<C, 0>(dm, q, kh, vh, slots, mask, S, T, g, p, out);
+        const KvNext next = g + 1 < hkv ? KvNext{kh + dm.max_seq * d, vh + dm.max_seq * d, S} : after;
+        if (d == 64) attend_group<C, 64>(dm, q, kh, vh, slots, mask, S, T, g, p, out, next);
+        else if (d == 128) attend_group<C, 128>(dm, q, kh, vh, slots, mask, S, T, g, p, out, next);
+        else attend_group<C, 0>(dm, q, kh, vh, slots, mask, S, T, g, p, out, next);
     }
 }
 
@@ -1110,9 +1190,23 @@ int layer(const LayerDims& dm, const LayerPtrs& L, const AllReduce& ar, float* h
     float* att = scratch<float>(kAtt, T * hq * d);
 
     // attention block
+    const long per_row = hkv * dm.max_seq * d;  // one batch row of the cache
+    const long cache_bytes = dm.cache_dtype == 0 ? 4 : 2;
+    const auto group0 = [&](long i) {  // sequence i's first K/V head (KvNext), or none
+        if (i >= sg.n) return KvNext{};
+        const long off = sg.cache_row[i] * per_row * cache_bytes;
+        return KvNext{static_cast<const char*>(L.k_cache) + off, static_cast<const char*>(L.v_cache) + off,
+                      sg.kv_len[i]};
+    };
+    {  // the first sequence's first head, while the QKV projection streams its weights
+        const KvNext first = group0(0);
+        for (long b = 0; b < first.S * d * cache_bytes; b += 64) {
+            _mm_prefetch(static_cast<const char*>(first.k) + b, _MM_HINT_T1);
+            _mm_prefetch(static_cast<const char*>(first.v) + b, _MM_HINT_T1);
+        }
+    }
     rms_norm_rows<W>(h, static_cast<const W*>(L.attn_norm), xin, T, dim, dm.eps);
     gemm<W, W>(xin, dim, T, static_cast<const W*>(L.wqkv), nqkv, dim, kStore, nullptr, qkv_w, nqkv, threads);
-    const long per_row = hkv * dm.max_seq * d;  // one batch row of the cache
     for (long i = 0; i < sg.n; ++i)
         for (long t = sg.start[i]; t < sg.start[i + 1]; ++t) {
             float* row = qkv + t * nqkv;
@@ -1129,10 +1223,12 @@ int layer(const LayerDims& dm, const LayerPtrs& L, const AllReduce& ar, float* h
         const uint8_t* m = mask && sg.mask_off[i] >= 0 ? mask + sg.mask_off[i] : nullptr;
         if (dm.cache_dtype == 0)
             attend<float>(dm, qkv + t0 * nqkv, static_cast<const float*>(L.k_cache) + c0,
-                          static_cast<const float*>(L.v_cache) + c0, slots + t0, m, S, tn, att + t0 * hq * d);
+                          static_cast<const float*>(L.v_cache) + c0, slots + t0, m, S, tn, att + t0 * hq * d,
+                          group0(i + 1));
         else
             attend<uint16_t>(dm, qkv + t0 * nqkv, static_cast<const uint16_t*>(L.k_cache) + c0,
-                             static_cast<const uint16_t*>(L.v_cache) + c0, slots + t0, m, S, tn, att + t0 * hq * d);
+                             static_cast<const uint16_t*>(L.v_cache) + c0, slots + t0, m, S, tn, att + t0 * hq * d,
+                             group0(i + 1));
     }
     for (long i = 0; i < T * hq * d; ++i) store_act(xin, i, att[i]);
     if (const int rc = project_add<W>(ar, xin, T, static_cast<const W*>(L.wo), h, dim, hq * d, threads))
