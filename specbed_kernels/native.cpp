@@ -960,9 +960,10 @@ inline void sequential_sums(const float* p, long n, long nr, float* sum) {
 }
 
 // Grouped-query attention of T tokens over cache slots [0, S): the rep = Hq/Hkv query heads of
-// a K/V head (times T tokens) share every K row loaded. Scores for many query rows come from VL
-// keys transposed at a time (VL broadcast FMAs per head dimension instead of a horizontal sum
-// per (row, key)); D (head_dim) is a compile-time constant for the common sizes.
+// a K/V head (times T tokens) share every K row loaded. On AVX-512 at head size 64 or 128 the
+// scores are dot_scores' fixed-order dot products; elsewhere they come from VL keys transposed at
+// a time (VL broadcast FMAs per head dimension instead of a horizontal sum per (row, key)).
+// D (head_dim) is a compile-time constant for the common sizes.
 template <typename C, int D>
 void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh, const long* slots,
                   const uint8_t* mask, long S, long T, long g, float* p, float* out, const KvNext& next) {
