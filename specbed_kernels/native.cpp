@@ -841,9 +841,8 @@ inline void weigh_value_rows(const float* p, const C* vh, long S, long rows, lon
 
 // The K and V rows [0, S) of the group attended next (the next KV head, or the next sequence's
 // first): requested into L2 a share per key while this group's keys are read, so that the cache,
-// read once per forward from memory, streams at a steady rate instead of stalling at each first
-// touch (asked for all at once, the requests stalled on the full miss queue: 1.2 ms of a forward
-// of 32 one-token requests; not asked for, attention's loads stalled for half its time).
+// read once per forward from memory, streams at a steady rate (asked for all at once, the
+// requests stalled on the full miss queue: 1.2 ms of a forward of 32 one-token requests).
 struct KvNext {
     const void* k = nullptr;
     const void* v = nullptr;
@@ -869,9 +868,9 @@ inline __m512 sum_lanes16(__m512* a) {
 // [S][D], each one dot product of fixed order: 16 lanes of D / 16 products each, then
 // sum_lanes16. A score depends on its query and key only, never on how many rows or keys share
 // the call (what greedy decoding needs to match its verifications). The keys are read once, into
-// an fp32 copy (widened from bf16), in one sequential pass that asks for the keys ahead of it and
-// for V's rows into L2: the cache is read once per forward, from memory. Without a transpose of
-// the keys, a decode's 3 rows per group cost their own FMAs, not the keys' shuffling.
+// an fp32 copy (widened from bf16), in one sequential pass that pulls the keys ahead of it into L1
+// and requests the next group's K and V into L2 (KvNext). Without a transpose of the keys, a
+// decode's 3 rows per group cost their own FMAs, not the keys' shuffling.
 template <typename C, int D>
 void dot_scores(const float* q, const C* kh, long S, long rows, long qkv, long T, long h0, float scale,
                 const KvNext& next, float* p) {
@@ -976,16 +975,8 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
         dot_scores<C, D>(q, kh, S, rows, qkv, T, g * rep, scale, next, p);
         s0 = S;
     } else {  // every row count: a score must not depend on how many rows share the call
-        // four blocks of 16 keys at a time (4 rows x 4 blocks of chains in flight: two k loads and
-        // four broadcasts per 8 FMAs left the load ports, not the FMAs, the limit), then two, then one
-        alignas(64) float kt[4 * (D > 0 ? D : 512) * 16];
-        for (; s0 + 64 <= S; s0 += 64) {
-            for (long b = 0; b < 4; ++b) keys16(kh + (s0 + 16 * b) * d, d, 16, kt + b * d * 16);
-            long row = 0;
-            for (; row + 4 <= rows; row += 4) key_blocks16<4, 4>(q, kt, d, qkv, T, g * rep, row, scale, 0xffff, p + s0, S);
-            for (; row + 2 <= rows; row += 2) key_blocks16<2, 4>(q, kt, d, qkv, T, g * rep, row, scale, 0xffff, p + s0, S);
-            for (; row < rows; ++row) key_blocks16<1, 4>(q, kt, d, qkv, T, g * rep, row, scale, 0xffff, p + s0, S);
-        }
+        // two blocks of 16 keys at a time (up to 4 rows x 2 blocks of chains in flight), then one
+        alignas(64) float kt[2 * 512 * 16];
         for (; s0 + 32 <= S; s0 += 32) {
             keys16(kh + s0 * d, d, 16, kt);
             keys16(kh + (s0 + 16) * d, d, 16, kt + d * 16);
