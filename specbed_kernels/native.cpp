@@ -899,12 +899,14 @@ void dot_scores(const float* q, const C* kh, long S, long rows, long qkv, long T
         }
     }
     const __m512 sc = _mm512_set1_ps(scale);
-    for (long row = 0; row < rows; ++row) {
-        const float* qr = q + (row % T) * qkv + (h0 + row / T) * D;
-        __m512 qv[NV];
-        for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qr + 16 * j);
-        for (long s0 = 0; s0 < S; s0 += 16) {
-            const long nb = std::min(16l, S - s0);
+    // 16 keys (4-8 KB of fp32, in L1) at a time for every row: row by row over all keys re-read
+    // the whole copy (S x D floats, past L1) from L2 for each row
+    for (long s0 = 0; s0 < S; s0 += 16) {
+        const long nb = std::min(16l, S - s0);
+        for (long row = 0; row < rows; ++row) {
+            const float* qr = q + (row % T) * qkv + (h0 + row / T) * D;
+            __m512 qv[NV];
+            for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qr + 16 * j);
             __m512 acc[16];
             for (long k = 0; k < 16; ++k) {
                 if (k >= nb) {
