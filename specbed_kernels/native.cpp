@@ -73,6 +73,10 @@ inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf vbcast(const float* p) { return _mm512_set1_ps(*p); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512 widen16(const uint16_t* p) {  // 16 consecutive bf16 as fp32 (exact)
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
 inline void vwiden(const uint16_t* p, vf& lo, vf& hi) {
     const __m512i raw = _mm512_loadu_si512(p);
     lo = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
@@ -800,8 +804,7 @@ inline void weigh_values16(const float* p, const C* vh, long S, long row0, long 
         __m512 v[NV];
         for (int j = 0; j < NV; ++j) {
             if constexpr (sizeof(C) == 2) {
-                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vh + s * D + 16 * j));
-                v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+                v[j] = widen16(vh + s * D + 16 * j);
             } else {
                 v[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(vh) + s * D + 16 * j);
             }
@@ -890,8 +893,7 @@ void dot_scores(const float* q, const C* kh, long S, long rows, long qkv, long T
         for (int j = 0; j < NV; ++j) {
             __m512 v;
             if constexpr (sizeof(C) == 2) {
-                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kh + s * D + 16 * j));
-                v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+                v = widen16(kh + s * D + 16 * j);
             } else {
                 v = _mm512_loadu_ps(reinterpret_cast<const float*>(kh) + s * D + 16 * j);
             }
@@ -1104,10 +1106,7 @@ void attend_group(const LayerDims& dm, const float* q, const C* kh, const C* vh,
         if (sizeof(C) == 2 && rows > kValueRows<D>) {
             // more than one pass over V: widen it to fp32 once (exact) instead of once per pass
             float* vw = scratch<float>(kValues, S * D);
-            for (long i = 0; i < S * D; i += 16) {
-                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vh + i));
-                _mm512_store_ps(vw + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
-            }
+            for (long i = 0; i < S * D; i += 16) _mm512_store_ps(vw + i, widen16(reinterpret_cast<const uint16_t*>(vh + i)));
             weigh_value_rows<float, D>(p, vw, S, rows, T, hq, g * rep, out);
         } else {
             weigh_value_rows<C, D>(p, vh, S, rows, T, hq, g * rep, out);
