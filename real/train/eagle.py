@@ -19,6 +19,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ from torch import Tensor
 
 import specbed_kernels as kernels
 from real.model.decoder import Transformer
-from real.model.eagle import EagleHead, save_head
+from real.model.eagle import EagleHead, load_head, save_head
 from real.model.weights import load_model
 from real.train.draft_data import _atomic_save, build_teacher_data, map_in_threads
 from testbed.paths import repo_path
@@ -72,29 +73,72 @@ def pack_rows(docs: list[tuple[Tensor, Tensor]], seq_len: int, seed: int) -> tup
     return toks[:n].view(-1, seq_len), feats[:n].view(-1, seq_len, feats.shape[-1])
 
 
+def unroll_mask(steps: int, n: int) -> Tensor:
+    """Attention ``[steps·n, steps·n]`` of a row unrolled ``steps`` times (training-time test, as
+    EAGLE-3 trains): step i's row at pair p, whose input is the head's own step-(i-1) prediction,
+    sees what the head's cache holds when it drafts its (i+1)-th guess there -- the pairs <= p-i,
+    fed with the target's true features, and its own chain's rows (j, p-i+j) for j = 1..i.
+    Step 0 is the plain causal row."""
+    i = torch.arange(steps)[:, None, None, None]
+    p = torch.arange(n)[None, :, None, None]
+    j = torch.arange(steps)[None, None, :, None]
+    q = torch.arange(n)[None, None, None, :]
+    mask = ((j == 0) & (q <= p - i)) | ((j >= 1) & (j <= i) & (q == p - i + j))
+    return mask.reshape(steps * n, steps * n)
+
+
+def unrolled_predictions(head: EagleHead, target: Transformer, tokens: Tensor, features: Tensor,
+                         steps: int) -> Iterator[Tensor]:
+    """The head's predicted features ``[B, T, dim]`` for pairs (``tokens``, ``features``), then
+    ``steps`` - 1 more times with each pair's feature replaced by the head's own prediction of
+    it from the step before (detached; pair 0 keeps its given feature): step i at pair p is the
+    head's (i+1)-th guess of a chain that read the true features up to pair p-i."""
+    n = tokens.shape[1]
+    inputs = [head.inputs(target, tokens, features)]
+    for step in range(steps):
+        if step == 0:
+            pred = head.body.forward_layers(inputs[0], cache=False)
+        else:
+            pred = head.body.forward_layers(torch.cat(inputs, dim=1), mask=unroll_mask(step + 1, n),
+                                            position_ids=torch.arange(n).repeat(step + 1),
+                                            cache=False)[:, step * n:]
+        yield pred
+        if step + 1 < steps:
+            own = torch.cat([features[:, :1], pred[:, :-1].detach()], dim=1)
+            inputs.append(head.inputs(target, tokens, own))
+
+
 def eagle_loss(head: EagleHead, target: Transformer, tokens: Tensor, feats: Tensor, *,
-               noise: float, feature_weight: float, ce_share: float = 1.0,
+               noise: float, feature_weight: float, ce_share: float = 1.0, unroll: int = 1,
                gen: torch.Generator | None = None) -> tuple[Tensor, float]:
-    """(loss, top-1 agreement) of one batch: rows of tokens ``[B, L]`` and features ``[B, L, dim]``.
-    The cross-entropy runs over a random ``ce_share`` of the positions (the LM head over the
-    vocabulary, twice, is most of a step's cost; the feature regression covers every position)."""
+    """(loss, top-1 agreement of the first step) of one batch: rows of tokens ``[B, L]`` and
+    features ``[B, L, dim]``. The cross-entropy runs over a random ``ce_share`` of the positions
+    (the LM head over the vocabulary, twice, is most of a step's cost; the feature regression
+    covers every position). ``unroll`` > 1 also trains the head's later guesses: step i reads the
+    head's own predictions of step i-1 (detached) as a chain draft does, with ``unroll_mask``,
+    and the steps' losses are averaged."""
+    toks, true = tokens[:, 1:], feats[:, 1:].float()
     f_in = feats[:, :-1].float()
     if noise > 0:
         scale = f_in.pow(2).mean(-1, keepdim=True).sqrt()
         f_in = f_in + noise * scale * torch.randn(f_in.shape, generator=gen)
-    pred = head(target, tokens[:, 1:], f_in, cache=False)          # f̂_1..f̂_{L-1}
-    true = feats[:, 1:].float()
-    reg = F.smooth_l1_loss(_rms(pred), _rms(true))
+    b, n = toks.shape
+    pick = None
     if ce_share < 1.0:
-        pick = torch.rand(pred.shape[:2], generator=gen) < ce_share
+        pick = torch.rand((b, n), generator=gen) < ce_share
         pick[0, 0] = True
-        pred, true = pred[pick], true[pick]
     with torch.no_grad():
-        p = torch.softmax(target.head(true), dim=-1)
-    logq = torch.log_softmax(target.head(pred), dim=-1)
-    ce = -(p * logq).sum(-1).mean()
-    agree = float((logq.argmax(-1) == p.argmax(-1)).float().mean())
-    return feature_weight * reg + ce, agree
+        p = torch.softmax(target.head(true if pick is None else true[pick]), dim=-1)
+    total: Tensor | float = 0.0
+    agree = 0.0
+    for step, pred in enumerate(unrolled_predictions(head, target, toks, f_in, unroll)):
+        reg = F.smooth_l1_loss(_rms(pred), _rms(true))
+        logq = torch.log_softmax(target.head(pred if pick is None else pred[pick]), dim=-1)
+        total = total + feature_weight * reg - (p * logq).sum(-1).mean()
+        if step == 0:
+            agree = float((logq.argmax(-1) == p.argmax(-1)).float().mean())
+    assert isinstance(total, Tensor)
+    return total / unroll, agree
 
 
 def trainable(head: EagleHead) -> list[torch.nn.Parameter]:
@@ -114,7 +158,7 @@ def lr_at(step: int, *, steps: int, lr: float, warmup: int, min_frac: float = 0.
 
 def train_head(head: EagleHead, target: Transformer, rows: tuple[Tensor, Tensor], *, steps: int,
                batch_rows: int, lr: float, seed: int, noise: float = 0.2, feature_weight: float = 1.0,
-               ce_share: float = 1.0, warmup: int = 20, progress: bool = False) -> dict:
+               ce_share: float = 1.0, unroll: int = 1, warmup: int = 20, progress: bool = False) -> dict:
     """AdamW (warm-up, cosine decay) over ``steps`` batches of ``batch_rows`` rows drawn by a
     generator seeded with ``seed``; the head is trained in place. Returns the last losses."""
     from tqdm import tqdm
@@ -133,7 +177,8 @@ def train_head(head: EagleHead, target: Transformer, rows: tuple[Tensor, Tensor]
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, steps=steps, lr=lr, warmup=warmup)
             loss, agree = eagle_loss(head, target, tokens[pick], feats[pick], noise=noise,
-                                     feature_weight=feature_weight, ce_share=ce_share, gen=gen)
+                                     feature_weight=feature_weight, ce_share=ce_share, unroll=unroll,
+                                     gen=gen)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -165,18 +210,22 @@ def train(cfg: DictConfig) -> EagleHead:
         _atomic_save(docs, feats_path)
     t_data = time.time() - t0
     rows = pack_rows(docs, e.seq_len, cfg.seed)
-    head = EagleHead(target.args).init_random(cfg.seed, std=0.02)
+    if e.get("init"):  # continue training a head (e.g. the shipped one, on more steps or another loss)
+        head = load_head(repo_path(e.init), target)
+    else:
+        head = EagleHead(target.args).init_random(cfg.seed, std=0.02)
     t1 = time.time()
     last = train_head(head, target, rows, steps=e.steps, batch_rows=e.batch_rows, lr=e.lr, seed=cfg.seed,
                       noise=e.noise, feature_weight=e.feature_weight, ce_share=e.ce_share,
-                      warmup=e.warmup, progress=True)
+                      unroll=e.unroll, warmup=e.warmup, progress=True)
     train_s = time.time() - t1
-    info = {"steps": e.steps, "train_s": round(train_s, 1), "data_s": round(t_data, 1),
+    info = {"steps": e.steps, "unroll": e.unroll, "init": e.get("init"), "train_s": round(train_s, 1),
+            "data_s": round(t_data, 1),
             "positions": int(rows[0].numel()), "documents": len(docs), **last,
             "config": OmegaConf.to_container(cfg, resolve=True)}
     out = repo_path(e.out)
     save_head(head, out, target_name="smollm2_135m", extra={"training": {k: info[k] for k in (
-        "steps", "train_s", "positions", "documents", "loss", "top1_agreement")}})
+        "steps", "unroll", "init", "train_s", "positions", "documents", "loss", "top1_agreement")}})
     (work / "eagle_train_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"exported {out} after {e.steps} steps ({train_s:.0f} s training, {t_data:.0f} s data)")
     return head

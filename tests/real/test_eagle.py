@@ -22,7 +22,13 @@ from real.model.runners import TargetRunner
 from real.runtime.context import RealContext, RealRequest
 from real.schedules.ar import serve_ar
 from real.schedules.sync import serve_sync
-from real.train.eagle import eagle_loss, pack_rows, target_features, train_head
+from real.train.eagle import (
+    eagle_loss,
+    pack_rows,
+    target_features,
+    train_head,
+    unrolled_predictions,
+)
 from testbed.config import ConfigError
 from testbed.recorder import RunRecorder
 from testbed.spec.sampling import SamplingParams
@@ -183,6 +189,31 @@ def test_the_features_after_a_reroot_equal_a_recomputation_from_scratch() -> Non
         target.keep_hidden = fresh_target.keep_hidden = False
     assert guesses == fresh_guesses
     torch.testing.assert_close(q, fresh_q, atol=1e-5, rtol=1e-4)
+
+
+def test_unrolled_training_steps_are_the_chain_drafts_guesses() -> None:
+    """Training-time test: step i of the unrolled training forward at pair p is what the head
+    computes, with its KV cache, for its (i+1)-th guess of a chain that read the target's true
+    features up to pair p-i and then its own predictions -- for every step and pair."""
+    target = tiny(0)
+    head = EagleHead(target.args).init_random(3, std=0.2)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, TINY.vocab_size, (13,), generator=gen).tolist()
+    toks, feats = target_features(target, [ids], 13)[0]
+    toks, f_in = toks[1:].long()[None], feats[:-1].float()[None]
+    n, steps = toks.shape[1], 3
+    with torch.no_grad():
+        unrolled = list(unrolled_predictions(head, target, toks, f_in, steps))
+        for i in range(steps):
+            for p in range(i, n):
+                head.body.setup_cache(n + 2, 1)
+                out = head.body.forward_layers(head.inputs(target, toks[:, : p - i + 1], f_in[:, : p - i + 1]), 0)
+                for j in range(p - i + 1, p + 1):
+                    out = head.body.forward_layers(head.inputs(target, toks[:, j : j + 1], out[:, -1:]), j)
+                torch.testing.assert_close(unrolled[i][0, p], out[0, -1], atol=2e-5, rtol=1e-4,
+                                           msg=f"step {i}, pair {p}")
+    # the unrolled steps differ from the first: each reads its own predictions
+    assert not torch.allclose(unrolled[0][0, 2:], unrolled[2][0, 2:], atol=1e-3)
 
 
 def test_training_on_a_tiny_target_learns_its_copy_behaviour() -> None:
