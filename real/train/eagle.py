@@ -27,8 +27,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 import specbed_kernels as kernels
+from real.errors import RealSetupError
 from real.model.decoder import Transformer
-from real.model.eagle import EagleHead, load_head, save_head
+from real.model.eagle import EagleHead, is_eagle_dir, load_head, save_head
 from real.model.weights import load_model
 from real.train.draft_data import _atomic_save, build_teacher_data, map_in_threads
 from testbed.paths import repo_path
@@ -158,7 +159,8 @@ def lr_at(step: int, *, steps: int, lr: float, warmup: int, min_frac: float = 0.
 
 def train_head(head: EagleHead, target: Transformer, rows: tuple[Tensor, Tensor], *, steps: int,
                batch_rows: int, lr: float, seed: int, noise: float = 0.2, feature_weight: float = 1.0,
-               ce_share: float = 1.0, unroll: int = 1, warmup: int = 20, progress: bool = False) -> dict:
+               ce_share: float = 1.0, unroll: int = 1, unroll_from: int = 0, warmup: int = 20,
+               progress: bool = False) -> dict:
     """AdamW (warm-up, cosine decay) over ``steps`` batches of ``batch_rows`` rows drawn by a
     generator seeded with ``seed``; the head is trained in place. Returns the last losses."""
     from tqdm import tqdm
@@ -177,7 +179,8 @@ def train_head(head: EagleHead, target: Transformer, rows: tuple[Tensor, Tensor]
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, steps=steps, lr=lr, warmup=warmup)
             loss, agree = eagle_loss(head, target, tokens[pick], feats[pick], noise=noise,
-                                     feature_weight=feature_weight, ce_share=ce_share, unroll=unroll,
+                                     feature_weight=feature_weight, ce_share=ce_share,
+                                     unroll=unroll if step >= unroll_from else 1,
                                      gen=gen)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -195,6 +198,12 @@ def train_head(head: EagleHead, target: Transformer, rows: tuple[Tensor, Tensor]
 def train(cfg: DictConfig) -> EagleHead:
     """The bundled target's head: teacher documents -> features (cached) -> training -> ``cfg.eagle.out``."""
     e = cfg.eagle
+    if int(e.unroll) < 1 or int(e.unroll_from) < 0:
+        raise RealSetupError(f"eagle.unroll={e.unroll} eagle.unroll_from={e.unroll_from}: unroll is 1 (no "
+                             "training-time test) or more steps, unroll_from a step >= 0")
+    if e.get("init") and not is_eagle_dir(repo_path(e.init)):
+        raise RealSetupError(f"eagle.init={e.init}: not an eagle head directory (config.json + "
+                             "model.safetensors); give a trained head, or null for a fresh one")
     torch.set_num_threads(int(cfg.threads))
     t0 = time.time()
     work = repo_path(cfg.work_dir)
@@ -217,15 +226,15 @@ def train(cfg: DictConfig) -> EagleHead:
     t1 = time.time()
     last = train_head(head, target, rows, steps=e.steps, batch_rows=e.batch_rows, lr=e.lr, seed=cfg.seed,
                       noise=e.noise, feature_weight=e.feature_weight, ce_share=e.ce_share,
-                      unroll=e.unroll, warmup=e.warmup, progress=True)
+                      unroll=e.unroll, unroll_from=e.unroll_from, warmup=e.warmup, progress=True)
     train_s = time.time() - t1
-    info = {"steps": e.steps, "unroll": e.unroll, "init": e.get("init"), "train_s": round(train_s, 1),
-            "data_s": round(t_data, 1),
+    info = {"steps": e.steps, "unroll": e.unroll, "unroll_from": e.unroll_from, "init": e.get("init"),
+            "train_s": round(train_s, 1), "data_s": round(t_data, 1),
             "positions": int(rows[0].numel()), "documents": len(docs), **last,
             "config": OmegaConf.to_container(cfg, resolve=True)}
     out = repo_path(e.out)
     save_head(head, out, target_name="smollm2_135m", extra={"training": {k: info[k] for k in (
-        "steps", "unroll", "init", "train_s", "positions", "documents", "loss", "top1_agreement")}})
+        "steps", "unroll", "unroll_from", "init", "train_s", "positions", "documents", "loss", "top1_agreement")}})
     (work / "eagle_train_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"exported {out} after {e.steps} steps ({train_s:.0f} s training, {t_data:.0f} s data)")
     return head

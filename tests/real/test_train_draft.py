@@ -246,3 +246,19 @@ def test_a_draft_vocabulary_needs_an_eagle_head_s_folder(tmp_path) -> None:  # t
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not an eagle head's folder" in proc.stdout
     assert len(proc.stdout.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("override, names", [("eagle.unroll=0", "eagle.unroll=0"),
+                                             ("eagle.init=no/such/head", "eagle.init=no/such/head")])
+def test_bad_eagle_training_settings_are_refused_in_one_line_before_any_data(tmp_path, override,  # type: ignore[no-untyped-def]
+                                                                             names) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "real.train.draft", "kind=eagle", override,
+                           f"work_dir={tmp_path}/work", f"hydra.run.dir={tmp_path}/hydra"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0], lines
+    assert not (tmp_path / "work").exists()  # refused before any teacher batch or feature is made
